@@ -1,0 +1,116 @@
+// CPU kernels: plain memcpy loops over raw bytes. These also serve pinned host mirrors, so a
+// switch copies all of its host buffers in one call rather than one Python call per buffer.
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "graphctl.h"
+
+namespace graphctl {
+namespace {
+
+void check_cpu(at::TensorList l, const char* op) {
+  for (const auto& t : l) {
+    TORCH_CHECK(t.device().is_cpu(), "graphctl::", op, " CPU kernel got a tensor on ", t.device());
+  }
+}
+
+void swap_through_cpu(at::TensorList stat, at::TensorList arena, at::TensorList source) {
+  check_lists("swap_through_", stat, "static", arena, "arena");
+  check_lists("swap_through_", stat, "static", source, "source");
+  check_cpu(stat, "swap_through_");
+  // Validate everything before writing anything: a failure must leave every buffer untouched.
+  for (size_t i = 0; i < stat.size(); ++i) {
+    auto* s = static_cast<const char*>(stat[i].const_data_ptr());
+    auto* src = static_cast<const char*>(source[i].const_data_ptr());
+    auto* a = static_cast<const char*>(arena[i].const_data_ptr());
+    int64_t n = stat[i].numel() * stat[i].element_size();
+    bool partial = src != s && src < s + n && s < src + n;
+    TORCH_CHECK(!partial, "graphctl::swap_through_: source[", i, "] partially overlaps static[", i,
+                "]; pass the static buffer itself (snapshot only) or a disjoint source");
+    TORCH_CHECK(n == 0 || !(a < s + n && s < a + n), "graphctl::swap_through_: arena[", i,
+                "] overlaps static[", i, "]");
+  }
+  for (size_t i = 0; i < stat.size(); ++i) {
+    int64_t n = stat[i].numel() * stat[i].element_size();
+    if (n == 0) continue;
+    char* s = static_cast<char*>(stat[i].data_ptr());
+    std::memcpy(arena[i].data_ptr(), s, n);
+    const void* src = source[i].const_data_ptr();
+    if (src != s) std::memcpy(s, src, n);
+  }
+}
+
+void copy_cpu(at::TensorList dst, at::TensorList src) {
+  check_lists("copy_", dst, "dst", src, "src");
+  check_cpu(dst, "copy_");
+  for (size_t i = 0; i < dst.size(); ++i) {
+    int64_t n = dst[i].numel() * dst[i].element_size();
+    if (n == 0 || dst[i].data_ptr() == src[i].const_data_ptr()) continue;
+    std::memmove(dst[i].data_ptr(), src[i].const_data_ptr(), n);
+  }
+}
+
+at::Tensor fingerprint_cpu(at::TensorList bufs) {
+  check_cpu(bufs, "fingerprint");
+  at::Tensor out = at::empty({static_cast<int64_t>(bufs.size())}, at::TensorOptions().dtype(at::kLong));
+  auto* o = out.data_ptr<int64_t>();
+  for (size_t b = 0; b < bufs.size(); ++b) {
+    uint64_t n = static_cast<uint64_t>(dense_nbytes(bufs[b], "fingerprint", "bufs", b));
+    auto* p = static_cast<const unsigned char*>(bufs[b].const_data_ptr());
+    uint64_t h = mix64(n);
+    for (uint64_t i = 0; i * 8 < n; ++i) {
+      uint64_t w = 0;
+      uint64_t take = n - i * 8 < 8 ? n - i * 8 : 8;
+      std::memcpy(&w, p + i * 8, take);  // little-endian host: byte k lands in bits 8k..8k+7
+      h += fingerprint_term(i, w);
+    }
+    o[b] = static_cast<int64_t>(h);
+  }
+  return out;
+}
+
+template <typename O, typename S>
+void token_to_request_impl(O* out, int64_t out_n, const S* lens, int64_t n_seq, int64_t num_tokens, O pad) {
+  int64_t r = 0;
+  int64_t end = n_seq > 0 ? static_cast<int64_t>(lens[0]) : 0;  // cumulative end of request r
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    while (r < n_seq && t >= end) {
+      ++r;
+      if (r < n_seq) end += static_cast<int64_t>(lens[r]);
+    }
+    out[t] = static_cast<O>(r);
+  }
+  for (int64_t t = num_tokens; t < out_n; ++t) out[t] = pad;
+}
+
+void token_to_request_cpu(at::Tensor& out, const at::Tensor& seq_lens, int64_t num_tokens, int64_t pad_value) {
+  TORCH_CHECK(out.device().is_cpu() && seq_lens.device().is_cpu(),
+              "graphctl::token_to_request_ CPU kernel got out on ", out.device(), " and seq_lens on ",
+              seq_lens.device());
+  TORCH_CHECK(out.is_contiguous() && seq_lens.is_contiguous(),
+              "graphctl::token_to_request_: out and seq_lens must be contiguous");
+  TORCH_CHECK(num_tokens >= 0 && num_tokens <= out.numel(), "graphctl::token_to_request_: num_tokens=",
+              num_tokens, " must be in [0, out.numel()=", out.numel(), "]");
+  TORCH_CHECK(out.scalar_type() == at::kInt || out.scalar_type() == at::kLong,
+              "graphctl::token_to_request_: out must be int32 or int64, found ", out.scalar_type());
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong,
+              "graphctl::token_to_request_: seq_lens must be int32 or int64, found ", seq_lens.scalar_type());
+  AT_DISPATCH_INDEX_TYPES(out.scalar_type(), "token_to_request_out", [&] {
+    using O = index_t;
+    AT_DISPATCH_INDEX_TYPES(seq_lens.scalar_type(), "token_to_request_lens", [&] {
+      token_to_request_impl<O, index_t>(out.data_ptr<O>(), out.numel(), seq_lens.const_data_ptr<index_t>(),
+                                        seq_lens.numel(), num_tokens, static_cast<O>(pad_value));
+    });
+  });
+}
+
+}  // namespace
+}  // namespace graphctl
+
+TORCH_LIBRARY_IMPL(graphctl, CPU, m) {
+  m.impl("swap_through_", &graphctl::swap_through_cpu);
+  m.impl("copy_", &graphctl::copy_cpu);
+  m.impl("fingerprint", &graphctl::fingerprint_cpu);
+  m.impl("token_to_request_", &graphctl::token_to_request_cpu);
+}

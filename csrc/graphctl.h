@@ -1,0 +1,44 @@
+// Shared declarations of graphctl._C: argument checks used by every backend and the
+// fingerprint mixing function, which must be bit-identical on CPU, CUDA and in the
+// pure-PyTorch reference (graphctl/ops/reference.py).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define GRAPHCTL_HD __host__ __device__ __forceinline__
+#else
+#define GRAPHCTL_HD inline
+#endif
+
+namespace graphctl {
+
+// splitmix64 finalizer: a fast, well-distributed 64-bit mix (public-domain constants).
+GRAPHCTL_HD uint64_t mix64(uint64_t x) {
+  uint64_t z = x + 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// Contribution of 8-byte little-endian word `w` at word index `i` to a buffer's
+// fingerprint. The fingerprint is mix64(nbytes) + sum_i term(i, w_i) mod 2^64, so it can be
+// reduced in any order (one CUDA launch, parallel over words) and still depends on position.
+GRAPHCTL_HD uint64_t fingerprint_term(uint64_t i, uint64_t w) { return mix64(w ^ mix64(i + 1)); }
+
+// Byte length of a dense buffer. Every op here works on raw bytes, so any dtype mix works.
+inline int64_t dense_nbytes(const at::Tensor& t, const char* op, const char* arg, size_t idx) {
+  TORCH_CHECK(t.is_contiguous(), "graphctl::", op, ": ", arg, "[", idx,
+              "] must be contiguous (found sizes ", t.sizes(), ", strides ", t.strides(),
+              "); static buffers are validated contiguous at bind time");
+  return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+}
+
+// Checks shared by swap_through_ and copy_: equal list lengths, equal byte sizes per index,
+// one device for the whole call (the state layer groups buffers per device).
+void check_lists(const char* op, at::TensorList a, const char* an, at::TensorList b, const char* bn);
+
+}  // namespace graphctl

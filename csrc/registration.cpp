@@ -1,0 +1,80 @@
+// Schemas of every graphctl op, their Meta (shape-only) kernels, and the Python module
+// entry point. CPU kernels live in cpu_ops.cpp, CUDA kernels in cuda/*.cu.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "graphctl.h"
+
+namespace graphctl {
+
+void check_lists(const char* op, at::TensorList a, const char* an, at::TensorList b, const char* bn) {
+  TORCH_CHECK(a.size() == b.size(), "graphctl::", op, ": ", an, " has ", a.size(), " tensors but ", bn,
+              " has ", b.size(), "; pass one entry per buffer in each list");
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t na = dense_nbytes(a[i], op, an, i);
+    int64_t nb = dense_nbytes(b[i], op, bn, i);
+    TORCH_CHECK(na == nb, "graphctl::", op, ": ", an, "[", i, "] has ", na, " bytes but ", bn, "[", i,
+                "] has ", nb, " bytes; both sides of a copy must have the same byte size");
+    TORCH_CHECK(a[i].device() == a[0].device() && b[i].device() == a[0].device(), "graphctl::", op,
+                ": all tensors must be on one device (", an, "[0] is on ", a[0].device(), ", ", an, "[", i,
+                "] on ", a[i].device(), ", ", bn, "[", i, "] on ", b[i].device(),
+                "); call once per device");
+  }
+}
+
+namespace {
+
+void swap_through_meta(at::TensorList stat, at::TensorList arena, at::TensorList source) {
+  check_lists("swap_through_", stat, "static", arena, "arena");
+  check_lists("swap_through_", stat, "static", source, "source");
+}
+
+void copy_meta(at::TensorList dst, at::TensorList src) { check_lists("copy_", dst, "dst", src, "src"); }
+
+at::Tensor fingerprint_meta(at::TensorList bufs) {
+  return at::empty({static_cast<int64_t>(bufs.size())}, at::TensorOptions().dtype(at::kLong).device(at::kMeta));
+}
+
+void token_to_request_meta(at::Tensor& out, const at::Tensor& seq_lens, int64_t num_tokens, int64_t pad_value) {
+  TORCH_CHECK(num_tokens >= 0 && num_tokens <= out.numel(), "graphctl::token_to_request_: num_tokens=",
+              num_tokens, " must be in [0, out.numel()=", out.numel(), "]");
+}
+
+}  // namespace
+}  // namespace graphctl
+
+TORCH_LIBRARY(graphctl, m) {
+  // arena[i] = static[i]; static[i] = source[i], bytewise, every buffer in one pass. An entry
+  // whose source is its static buffer is a snapshot only.
+  m.def("swap_through_(Tensor(a!)[] static, Tensor(b!)[] arena, Tensor[] source) -> ()");
+  // dst[i] = src[i], bytewise (the restore direction).
+  m.def("copy_(Tensor(a!)[] dst, Tensor[] src) -> ()");
+  // One 64-bit hash per buffer over its bytes (see graphctl.h for the definition).
+  m.def("fingerprint(Tensor[] bufs) -> Tensor");
+  // out[t] = request owning token t in the cumulative layout of seq_lens, t < num_tokens;
+  // out[num_tokens:] = pad_value.
+  m.def("token_to_request_(Tensor(a!) out, Tensor seq_lens, int num_tokens, int pad_value) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(graphctl, Meta, m) {
+  m.impl("swap_through_", &graphctl::swap_through_meta);
+  m.impl("copy_", &graphctl::copy_meta);
+  m.impl("fingerprint", &graphctl::fingerprint_meta);
+  m.impl("token_to_request_", &graphctl::token_to_request_meta);
+}
+
+// Importing graphctl._C registers the ops above (static initializers); the module itself only
+// reports whether CUDA kernels were compiled in. Plain C API: no pybind11 headers to compile.
+static struct PyModuleDef graphctl_module = {PyModuleDef_HEAD_INIT, "_C", "graphctl ops (see graphctl.ops)", -1,
+                                             nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* m = PyModule_Create(&graphctl_module);
+  if (m == nullptr) return nullptr;
+#ifdef GRAPHCTL_WITH_CUDA
+  PyModule_AddObject(m, "with_cuda", Py_NewRef(Py_True));
+#else
+  PyModule_AddObject(m, "with_cuda", Py_NewRef(Py_False));
+#endif
+  return m;
+}

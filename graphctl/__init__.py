@@ -1,0 +1,18 @@
+"""graphctl: declared graph-static buffers and transactional draft switches for CUDA-graph
+capture and replay of speculative-decoding draft forwards.
+
+The public surface is exactly ``__all__``; everything else is internal."""
+from graphctl import debug, ops
+from graphctl.errors import (BindError, CorruptedStateError, DeclarationError, GraphctlError, NestedSwitchError,
+                             StaleBufferError, SwitchError)
+from graphctl.state import BoundState, CopyInPlace, Pad, Recompute, Registry, Stable, StateSpec, Swap, bind, register
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "StateSpec", "register", "bind", "BoundState", "Registry",
+    "Swap", "CopyInPlace", "Recompute", "Stable", "Pad",
+    "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError",
+    "CorruptedStateError", "StaleBufferError",
+    "debug", "ops", "__version__",
+]

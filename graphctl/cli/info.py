@@ -1,0 +1,92 @@
+"""``graphctl info``: what was built against what is running, and why ``_C`` did not load."""
+from __future__ import annotations
+
+import json
+import platform
+from typing import Any
+
+import torch
+
+import graphctl
+from graphctl.debug import knobs
+from graphctl.ops import extension_status
+
+
+def _gpus() -> list[dict[str, Any]] | str:
+    try:
+        import pynvml
+    except ImportError as exc:
+        return f"nvidia-ml-py not importable ({exc})"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return f"no NVIDIA driver ({exc})"
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            out.append({
+                "index": i,
+                "name": pynvml.nvmlDeviceGetName(h),
+                "compute_capability": ".".join(map(str, pynvml.nvmlDeviceGetCudaComputeCapability(h))),
+                "memory_gib": round(mem.total / 2**30, 1),
+                "sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "driver": pynvml.nvmlSystemGetDriverVersion(),
+            })
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def collect() -> dict[str, Any]:
+    st = extension_status()
+    build = st.build or {}
+    return {
+        "graphctl": graphctl.__version__,
+        "python": platform.python_version(),
+        "runtime": {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
+                    "cuda_available": torch.cuda.is_available()},
+        "build": build or None,
+        "extension": {"loaded": st.loaded, "with_cuda": st.with_cuda, "error": st.error},
+        "knobs": knobs.as_dict(),
+        "gpus": _gpus(),
+    }
+
+
+def run_info(as_json: bool = False) -> int:
+    data = collect()
+    if as_json:
+        print(json.dumps(data, indent=2, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    t = Table(title=f"graphctl {data['graphctl']}", show_lines=False)
+    t.add_column("")
+    t.add_column("built with")
+    t.add_column("running")
+    b, r = data["build"] or {}, data["runtime"]
+    t.add_row("python", str(b.get("python", "-")), data["python"])
+    t.add_row("torch", str(b.get("torch", "-")), r["torch"])
+    t.add_row("torch CUDA", str(b.get("torch_cuda", "-")), str(r["torch_cuda"]))
+    t.add_row("nvcc", str(b.get("nvcc", "-")), "-")
+    t.add_row("CUDA kernels", str(b.get("with_cuda", "-")), str(data["extension"]["with_cuda"]))
+    t.add_row("arch list", str(b.get("arch_list", "-")), "-")
+    ext = data["extension"]
+    t.add_row("graphctl._C", "built" if b else "not built", "loaded" if ext["loaded"] else f"[red]not loaded: {ext['error']}")
+    con.print(t)
+    gpus = data["gpus"]
+    if isinstance(gpus, str):
+        con.print(f"GPUs: {gpus}")
+    else:
+        g = Table(title="GPUs")
+        for col in ("index", "name", "compute_capability", "memory_gib", "sm_clock_mhz", "driver"):
+            g.add_column(col)
+        for row in gpus:
+            g.add_row(*(str(row[c]) for c in ("index", "name", "compute_capability", "memory_gib", "sm_clock_mhz",
+                                               "driver")))
+        con.print(g)
+    con.print("knobs: " + ", ".join(f"{k}={v}" for k, v in data["knobs"].items()))
+    return 0

@@ -1,0 +1,134 @@
+"""Every environment knob graphctl reads, defined in one place.
+
+This module imports only the standard library: ``setup.py`` loads it by path to read the
+build knobs without importing torch or the package. Values are parsed once, at import; an
+invalid value raises at once, naming the variable (never silently ignored). Tests and users
+override knobs for a region with :func:`scope`, never by mutating ``os.environ`` later.
+
+The table in ``docs/knobs.md`` is generated from :data:`KNOBS` (``python -m graphctl.debug``)
+and checked against it by ``tests/unit/test_knobs.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Callable, Iterator
+
+__all__ = ["KNOBS", "Knob", "knobs", "scope", "markdown_table"]
+
+
+def _parse_bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected one of 1/0/true/false/yes/no/on/off, found {raw!r}")
+
+
+def _parse_choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        val = raw.strip().lower()
+        if val not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, found {raw!r}")
+        return val
+
+    return parse
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Knob:
+    """One environment variable: its attribute name, parser, default and meaning."""
+
+    attr: str
+    env: str
+    parse: Callable[[str], Any]
+    default: Any
+    when: str  # "runtime", "build" or "test"
+    doc: str
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("check_stale", "GRAPHCTL_CHECK_STALE", _parse_bool, False, "runtime",
+         "Before every switch (and in `BoundState.check()`), recompute each derived buffer into "
+         "scratch and raise `StaleBufferError` if the live buffer differs. Costs one extra "
+         "recompute and a host sync per derived buffer; never applied inside a capture."),
+    Knob("verify_restore", "GRAPHCTL_VERIFY_RESTORE", _parse_bool, False, "runtime",
+         "Fingerprint every snapshotted buffer on switch entry and again after restore; a "
+         "difference poisons the state (`CorruptedStateError`). Host sync; skipped in capture."),
+    Knob("no_extension", "GRAPHCTL_NO_EXTENSION", _parse_bool, False, "runtime",
+         "Do not load `graphctl._C`; every op runs its pure-PyTorch reference. `graphctl info` "
+         "reports the reason."),
+    Knob("build_cuda", "GRAPHCTL_BUILD_CUDA", _parse_choice("auto", "0", "1"), "auto", "build",
+         "`auto`: build the CUDA kernels when torch has CUDA and nvcc is found; `1`: require "
+         "them (the build fails otherwise); `0`: CPU-only build."),
+    Knob("arch_list", "TORCH_CUDA_ARCH_LIST", str, "9.0a;10.0a", "build",
+         "CUDA architectures to compile for (torch's own variable); graphctl's default targets "
+         "H100/H200 (`9.0a`) and B200 (`10.0a`)."),
+    Knob("hypothesis_profile", "GRAPHCTL_HYPOTHESIS_PROFILE", _parse_choice("ci", "thorough", "dev"),
+         "ci", "test",
+         "Hypothesis profile for `tests/property`: `ci` (200 examples x 30 steps), `thorough` "
+         "(2000 x 60, for the GPU machine or a night run), `dev` (20 x 10)."),
+)
+
+
+class _Knobs:
+    """Attribute access to the parsed values (a dict lookup, cheap enough for hot paths)."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self) -> None:
+        values: dict[str, Any] = {}
+        for knob in KNOBS:
+            raw = os.environ.get(knob.env)
+            if raw is None:
+                values[knob.attr] = knob.default
+                continue
+            try:
+                values[knob.attr] = knob.parse(raw)
+            except ValueError as exc:
+                raise ValueError(f"environment variable {knob.env}: {exc}") from None
+        object.__setattr__(self, "_values", values)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"no graphctl knob named {name!r}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("graphctl knobs are read-only; use graphctl.debug.scope(...)")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+
+knobs = _Knobs()
+
+
+@contextlib.contextmanager
+def scope(**overrides: Any) -> Iterator[None]:
+    """Override knobs for a region: ``with graphctl.debug.scope(check_stale=True): ...``."""
+    values = knobs._values
+    unknown = sorted(set(overrides) - set(values))
+    if unknown:
+        raise AttributeError(f"no graphctl knob named {unknown[0]!r}; known: {sorted(values)}")
+    saved = {k: values[k] for k in overrides}
+    values.update(overrides)
+    try:
+        yield
+    finally:
+        values.update(saved)
+
+
+def markdown_table() -> str:
+    rows = ["| variable | when | default | meaning |", "|---|---|---|---|"]
+    for k in KNOBS:
+        default = k.default if not isinstance(k.default, bool) else int(k.default)
+        rows.append(f"| `{k.env}` | {k.when} | `{default}` | {k.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

@@ -1,0 +1,80 @@
+"""graphctl's exceptions. Each carries structured fields (``buffer``, ``expected``,
+``found``, ``fix``) and a message built from them, so the message always names the buffer,
+what was expected, what was found, and how to fix it. All of them pickle.
+
+- :class:`DeclarationError`: a spec contradicts itself (raised by ``StateSpec``/``register``).
+- :class:`BindError`: a live object does not match its spec (raised by ``bind``).
+- :class:`SwitchError`: a bad use of a bound state (``switch``, ``write``, ``pad``).
+- :class:`NestedSwitchError`: a switch entered while another is active on the same state.
+- :class:`CorruptedStateError`: a restore failed; the state is poisoned and refuses all use.
+- :class:`StaleBufferError`: a derived buffer no longer equals ``fn(inputs)``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError",
+           "CorruptedStateError", "StaleBufferError"]
+
+_MISSING = object()
+
+
+def _fmt(v: Any) -> str:
+    return v if isinstance(v, str) else repr(v)
+
+
+class GraphctlError(Exception):
+    """Base of every graphctl error."""
+
+    def __init__(self, what: str, *, buffer: str | None = None, expected: Any = _MISSING,
+                 found: Any = _MISSING, fix: str | None = None, **extra: Any) -> None:
+        self.what = what
+        self.buffer = buffer
+        self.expected = None if expected is _MISSING else expected
+        self.found = None if found is _MISSING else found
+        self.fix = fix
+        self.extra = extra
+        for k, v in extra.items():
+            setattr(self, k, v)
+        parts = [f"[{buffer}] {what}" if buffer else what]
+        if expected is not _MISSING or found is not _MISSING:
+            parts.append(f": expected {_fmt(self.expected)}, found {_fmt(self.found)}")
+        if fix:
+            parts.append(f". Fix: {fix}")
+        super().__init__("".join(parts))
+
+    def __reduce__(self):
+        kwargs = dict(buffer=self.buffer, expected=self.expected, found=self.found, fix=self.fix, **self.extra)
+        return (_rebuild, (type(self), self.what, kwargs))
+
+
+def _rebuild(cls: type, what: str, kwargs: dict[str, Any]) -> GraphctlError:
+    return cls(what, **kwargs)
+
+
+class DeclarationError(GraphctlError):
+    """A spec's declarations contradict each other or are malformed."""
+
+
+class BindError(GraphctlError):
+    """A live metadata object does not match the spec registered for its type."""
+
+
+class SwitchError(GraphctlError):
+    """A bound state was used wrongly; nothing was changed."""
+
+
+class NestedSwitchError(SwitchError):
+    """A switch was entered on a state that already has an active switch."""
+
+
+class CorruptedStateError(GraphctlError):
+    """A restore (or an undo after a failed apply) did not complete; the state is poisoned.
+
+    ``failures`` lists ``(step, error)`` pairs: which buffers or attributes could not be
+    put back. Every later use of the state raises this error again."""
+
+
+class StaleBufferError(GraphctlError):
+    """A derived buffer differs from a fresh recompute of its inputs (``index`` is the first
+    differing flat index)."""

@@ -1,0 +1,62 @@
+"""graphctl ops: the fused kernels of ``graphctl._C`` when loaded, else their references.
+
+Every op here is in-place on preallocated buffers (except ``fingerprint``), launches on the
+current stream, never synchronizes and never allocates outside torch's caching allocator, so
+it is legal inside a CUDA-graph capture. Buffers must be dense (contiguous) and, within one
+call, on one device.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from graphctl.debug import knobs
+from graphctl.ops import reference
+from graphctl.ops._load import STATUS, ExtensionStatus
+
+__all__ = ["swap_through_", "copy_", "fingerprint", "token_to_request_", "extension_status",
+           "uses_extension", "reference"]
+
+
+def extension_status() -> ExtensionStatus:
+    return STATUS
+
+
+def uses_extension() -> bool:
+    """True when calls go to ``graphctl._C`` (loaded and not disabled by a knob scope)."""
+    return STATUS.loaded and not knobs.no_extension
+
+
+def swap_through_(static: Sequence[torch.Tensor], arena: Sequence[torch.Tensor],
+                  source: Sequence[torch.Tensor]) -> None:
+    """Snapshot and apply in one pass: ``arena[i] = static[i]; static[i] = source[i]``.
+
+    An entry whose ``source`` is its ``static`` buffer is a snapshot only."""
+    if uses_extension():
+        torch.ops.graphctl.swap_through_(list(static), list(arena), list(source))
+    else:
+        reference.swap_through_(static, arena, source)
+
+
+def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """Restore direction: ``dst[i] = src[i]`` bytewise, all buffers in one call."""
+    if uses_extension():
+        torch.ops.graphctl.copy_(list(dst), list(src))
+    else:
+        reference.copy_(dst, src)
+
+
+def fingerprint(bufs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """int64 hash per buffer (on the buffers' device with the extension, CPU otherwise)."""
+    if uses_extension():
+        return torch.ops.graphctl.fingerprint(list(bufs))
+    return reference.fingerprint(bufs)
+
+
+def token_to_request_(out: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, pad_value: int = 0) -> None:
+    """Token-to-request map of the cumulative layout of ``seq_lens``, padded past ``num_tokens``."""
+    if uses_extension():
+        torch.ops.graphctl.token_to_request_(out, seq_lens, int(num_tokens), int(pad_value))
+    else:
+        reference.token_to_request_(out, seq_lens, num_tokens, pad_value)

@@ -1,0 +1,112 @@
+"""Pure-PyTorch reference of every graphctl op: the fallback when ``graphctl._C`` is not
+loaded, and the oracle the C++/CUDA kernels are tested against.
+
+Written for clarity, not speed: one Python loop per buffer, temporaries allowed. The fused
+kernels must be bit-identical to these on every input.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["swap_through_", "copy_", "fingerprint", "token_to_request_"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a dense tensor's bytes (no copy)."""
+    if not t.is_contiguous():
+        raise ValueError(f"expected a contiguous tensor, found sizes {tuple(t.shape)} strides {t.stride()}")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _check_pair(op: str, a: Sequence[torch.Tensor], an: str, b: Sequence[torch.Tensor], bn: str) -> None:
+    if len(a) != len(b):
+        raise ValueError(f"graphctl::{op}: {an} has {len(a)} tensors but {bn} has {len(b)}")
+    for i, (x, y) in enumerate(zip(a, b)):
+        nx, ny = x.numel() * x.element_size(), y.numel() * y.element_size()
+        if nx != ny:
+            raise ValueError(f"graphctl::{op}: {an}[{i}] has {nx} bytes but {bn}[{i}] has {ny} bytes")
+
+
+def swap_through_(static: Sequence[torch.Tensor], arena: Sequence[torch.Tensor],
+                  source: Sequence[torch.Tensor]) -> None:
+    """For every i: ``arena[i] = static[i]`` then ``static[i] = source[i]``, bytewise."""
+    _check_pair("swap_through_", static, "static", arena, "arena")
+    _check_pair("swap_through_", static, "static", source, "source")
+    for s, a, src in zip(static, arena, source):
+        if s.numel() == 0:
+            continue
+        _bytes(a).copy_(_bytes(s))
+        if src.data_ptr() != s.data_ptr():
+            _bytes(s).copy_(_bytes(src))
+
+
+def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """For every i: ``dst[i] = src[i]``, bytewise, any dtypes of equal byte size."""
+    _check_pair("copy_", dst, "dst", src, "src")
+    for d, s in zip(dst, src):
+        if d.numel() and d.data_ptr() != s.data_ptr():
+            _bytes(d).copy_(_bytes(s))
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    # Logical right shift on int64 (torch's >> is arithmetic).
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _i64(v: int) -> int:
+    v &= _MASK64
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
+_C0, _C1, _C2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finalizer on int64 tensors with wrap-around arithmetic (see csrc/graphctl.h)."""
+    z = x + _C0
+    z = (z ^ _shr(z, 30)) * _C1
+    z = (z ^ _shr(z, 27)) * _C2
+    return z ^ _shr(z, 31)
+
+
+def _mix64_int(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def fingerprint(bufs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One 64-bit hash per buffer (int64 on the CPU): ``mix64(nbytes) + sum_i term(i, w_i)``
+    over the buffer's little-endian 8-byte words, the last one zero-padded."""
+    out = []
+    for t in bufs:
+        raw = _bytes(t).cpu()
+        n = raw.numel()
+        h = _mix64_int(n)
+        if n:
+            pad = (-n) % 8
+            words = torch.cat([raw, raw.new_zeros(pad)]).view(torch.int64)
+            idx = torch.arange(1, words.numel() + 1, dtype=torch.int64)
+            terms = _mix64(words ^ _mix64(idx))
+            h = (h + sum(int(v) & _MASK64 for v in terms.tolist())) & _MASK64
+        out.append(_i64(h))
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def token_to_request_(out: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, pad_value: int) -> None:
+    """``out[t] = searchsorted(cumsum(seq_lens), t, right=True)`` for ``t < num_tokens``
+    (the request that owns token ``t``; ``len(seq_lens)`` past the last token), and
+    ``out[num_tokens:] = pad_value``. ``seq_lens`` must be non-negative."""
+    if not 0 <= num_tokens <= out.numel():
+        raise ValueError(f"graphctl::token_to_request_: num_tokens={num_tokens} must be in [0, {out.numel()}]")
+    flat = out.view(-1)
+    if num_tokens:
+        cum = torch.cumsum(seq_lens.reshape(-1).to(torch.int64), 0)
+        t = torch.arange(num_tokens, device=out.device, dtype=torch.int64)
+        flat[:num_tokens].copy_(torch.searchsorted(cum, t, right=True))
+    flat[num_tokens:].fill_(pad_value)

@@ -1,0 +1,620 @@
+"""A spec bound to a live metadata object, and the transactional role switch.
+
+``bind(obj)`` checks the object against its spec once and preallocates everything a switch
+needs (one snapshot arena per device, the per-phase copy lists, the alias views of every
+twin), so a switch allocates nothing. ``BoundState.switch(role, phase)`` then runs:
+
+1. checks (not poisoned, not nested, no attribute rebound behind graphctl's back);
+2. per device, one fused ``swap_through_``: snapshot every buffer the switch may write, and
+   write the copy-in-place sources, in one pass;
+3. rebind swapped attributes (and re-point their declared views) to their twins;
+4. recompute the derived buffers whose inputs changed, in dependency order.
+
+Any ``BaseException`` while applying undoes the applied steps in reverse and re-raises the
+original exception. On exit, normal or not, every step is undone in reverse. A failed undo or
+restore poisons the state: every later use raises ``CorruptedStateError``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+from graphctl import ops
+from graphctl.debug import knobs
+from graphctl.errors import BindError, CorruptedStateError, NestedSwitchError, StaleBufferError, SwitchError
+from graphctl.state.plan import PHASES, Plan, compile_spec
+from graphctl.state.registry import Registry, default_registry
+from graphctl.state.spec import BufferDecl, CopyInPlace
+
+__all__ = ["bind", "BoundState", "ROLES"]
+
+ROLES = ("draft",)
+_ALIGN = 64  # arena slots start on 64-byte boundaries (typed views and vector loads need it)
+
+FaultHook = Callable[[str, str, str], None]  # (stage, step, "before"|"after")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _instance_attrs(obj: Any) -> dict[str, Any]:
+    try:
+        return vars(obj)
+    except TypeError:  # __slots__ classes: their views are declared or invisible to a scan
+        return {}
+
+
+def bind(obj: Any, *, registry: Registry | None = None, dims: Mapping[str, int] | None = None) -> "BoundState":
+    """Bind ``obj`` to the spec registered for its type (see :class:`BoundState`)."""
+    spec = (registry or default_registry).lookup(type(obj))
+    return BoundState(obj, compile_spec(spec), dims=dims)
+
+
+class _Step:
+    """One reversible piece of a switch. ``apply`` and ``undo`` may raise; the transaction
+    records a step as applied only after ``apply`` returned."""
+
+    __slots__ = ("name", "apply", "undo")
+
+    def __init__(self, name: str, apply: Callable[[], None], undo: Callable[[], None]) -> None:
+        self.name, self.apply, self.undo = name, apply, undo
+
+
+class _Group:
+    """The buffers of one phase on one device: one fused op per direction."""
+
+    __slots__ = ("device", "names", "statics", "arenas", "copies")
+
+    def __init__(self, device, names, statics, arenas, copies) -> None:
+        self.device = device
+        self.names: tuple[str, ...] = names
+        self.statics: tuple[torch.Tensor, ...] = statics
+        self.arenas: tuple[torch.Tensor, ...] = arenas
+        self.copies: tuple[tuple[int, str, CopyInPlace], ...] = copies  # (index, buffer, action)
+
+
+class BoundState:
+    """A metadata object bound to its compiled spec. Create with :func:`graphctl.bind`.
+
+    Constraints (each checked; violations raise the typed errors of ``graphctl.errors``):
+
+    - Declared buffers are dense, on one device (``host=True`` ones on the CPU, pinned when
+      that device is CUDA), disjoint in memory except declared aliases, and never rebound or
+      reallocated after ``bind``; call ``bind`` again after reallocating.
+    - One switch at a time per state; a nested ``switch`` raises ``NestedSwitchError``.
+    - Inside a switch, only ``mutable`` buffers may be written: anything else could not be
+      restored.
+    - Recompute functions and callable copy sources must be capturable (no host sync, no
+      allocation) for the ``capture`` phase to be; graphctl's own work is.
+    - Host buffers are copied on the host even in the ``capture`` phase: a graph never
+      records host copies, so host mirrors must not be read by captured kernels.
+    """
+
+    def __init__(self, obj: Any, plan: Plan, *, dims: Mapping[str, int] | None = None) -> None:
+        self.obj = obj
+        self.plan = plan
+        self.dims: dict[str, int] = dict(dims or {})
+        self._active: _Switch | None = None
+        self._poisoned: tuple[str, ...] | None = None
+        self._fault_hook: FaultHook | None = None
+        self._scratch: dict[str, torch.Tensor] = {}
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._objects: dict[str, Any] = {}
+        self._dim_source: dict[str, str] = {}
+        self.device = torch.device("cpu")
+        self._validate()
+        self._aliases = self._bind_aliases()
+        self._arena = self._allocate_arenas()
+        self._groups = {p: self._make_groups(p) for p in PHASES}
+
+    # ----------------------------------------------------------------- bind-time checks
+
+    def _err(self, name: str | None, what: str, expected: Any, found: Any, fix: str) -> BindError:
+        return BindError(f"{type(self.obj).__qualname__}.{name}: {what}" if name else what, buffer=name,
+                         expected=expected, found=found, fix=fix)
+
+    def _get(self, name: str) -> Any:
+        try:
+            return getattr(self.obj, name)
+        except AttributeError:
+            raise self._err(name, "declared attribute is missing", "an attribute", "none",
+                            f"set {type(self.obj).__qualname__}.{name} before bind") from None
+
+    def _validate(self) -> None:
+        plan = self.plan
+        devices: dict[str, torch.device] = {}
+        for name, d in plan.buffers.items():
+            t = self._get(name)
+            if not isinstance(t, torch.Tensor):
+                raise self._err(name, "declared buffer is not a tensor", "torch.Tensor", type(t).__name__,
+                                "declare plain attributes with spec.object(...)")
+            if d.dtype is not None and t.dtype != d.dtype:
+                raise self._err(name, "dtype differs from the declaration", d.dtype, t.dtype,
+                                f"allocate it as {d.dtype} or fix the declaration")
+            if d.shape is not None:
+                self._check_shape(name, d, t)
+            if not t.is_contiguous():
+                raise self._err(name, "buffer is not contiguous", "a dense tensor", f"strides {t.stride()}",
+                                "allocate static buffers dense; declare views as aliases=")
+            if d.host and t.device.type != "cpu":
+                raise self._err(name, "host buffer is not on the CPU", "cpu", t.device, "drop host=True or move it")
+            if not d.host:
+                devices[name] = t.device
+            self._tensors[name] = t
+        if devices:
+            first, dev = next(iter(devices.items()))
+            for name, other in devices.items():
+                if other != dev:
+                    raise self._err(name, "device buffers are on different devices", f"{dev} (as '{first}')", other,
+                                    "bind one state per device")
+            self.device = dev
+        if self.device.type == "cuda":
+            for name, d in plan.buffers.items():
+                if d.host and not self._tensors[name].is_pinned():
+                    raise self._err(name, "host buffer is not pinned", "pinned memory", "pageable memory",
+                                    "allocate with pin_memory=True so copies are asynchronous")
+        for name in plan.objects:
+            self._objects[name] = self._get(name)
+        self._check_twins()
+        self._check_overlaps()
+        self._check_sources()
+
+    def _check_shape(self, name: str, d: BufferDecl, t: torch.Tensor) -> None:
+        if t.dim() != len(d.shape):
+            raise self._err(name, "rank differs from the declared shape", d.shape, tuple(t.shape),
+                            "allocate it with the declared number of dimensions")
+        for sym, size in zip(d.shape, t.shape):
+            if isinstance(sym, int):
+                if sym != size:
+                    raise self._err(name, "dimension differs from the declared shape", d.shape, tuple(t.shape),
+                                    "allocate it at the declared size")
+                continue
+            want = self.dims.setdefault(sym, size)
+            self._dim_source.setdefault(sym, name)
+            if want != size:
+                src = self._dim_source[sym]
+                origin = f"dims={{'{sym}': {want}}}" if src == name else f"'{src}'"
+                raise self._err(name, f"dimension '{sym}' disagrees with {origin}", f"{sym}={want}", f"{sym}={size}",
+                                "allocate every buffer sharing a dimension name at one size")
+
+    def _check_twins(self) -> None:
+        for name, twin in self.plan.phases["eager"].swaps:
+            if name in self._objects:
+                if self._objects[name] is self._objects[twin]:
+                    raise self._err(name, "Swap twin is the same object as the original", "a distinct draft object",
+                                    f"'{twin}' is the same object", "construct a separate draft object")
+                continue
+            a, b = self._tensors[name], self._tensors[twin]
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise self._err(name, "Swap twin differs in shape or dtype", f"{tuple(a.shape)} {a.dtype}",
+                                f"'{twin}' is {tuple(b.shape)} {b.dtype}",
+                                "allocate the twin like the original: kernels baked for one must fit the other")
+
+    def _check_overlaps(self) -> None:
+        spans = []
+        for name, t in self._tensors.items():
+            lo, hi = _span(t)
+            if hi > lo:
+                spans.append((t.device, lo, hi, name))
+        spans.sort(key=lambda s: (str(s[0]), s[1]))
+        prev = None
+        for s in spans:
+            if prev is not None and prev[0] == s[0] and s[1] < prev[2]:
+                raise self._err(s[3], f"storage overlaps buffer '{prev[3]}'", "disjoint buffers",
+                                f"bytes [{s[1]:#x}, {min(s[2], prev[2]):#x}) shared",
+                                "allocate each static buffer separately, or declare the view in aliases=")
+            if prev is None or prev[0] != s[0] or s[2] > prev[2]:
+                prev = s
+
+    def _check_sources(self) -> None:
+        for name, d in self.plan.buffers.items():
+            for act in (d.draft, d.refresh):
+                if isinstance(act, CopyInPlace) and isinstance(act.source, str):
+                    src = self._get(act.source)
+                    self._check_source(name, src, f"source '{act.source}'", self._err)
+
+    def _check_source(self, name: str, src: Any, label: str, err: Callable[..., Exception]) -> None:
+        dst = self._tensors[name]
+        if not isinstance(src, torch.Tensor):
+            raise err(name, f"CopyInPlace {label} is not a tensor", "torch.Tensor", type(src).__name__,
+                      "return or name an existing tensor")
+        if src.shape != dst.shape or src.dtype != dst.dtype or src.device != dst.device or not src.is_contiguous():
+            raise err(name, f"CopyInPlace {label} does not match the buffer",
+                      f"{tuple(dst.shape)} {dst.dtype} on {dst.device}, contiguous",
+                      f"{tuple(src.shape)} {src.dtype} on {src.device}{'' if src.is_contiguous() else ', strided'}",
+                      "produce the source at the buffer's shape, dtype and device")
+
+    def _bind_aliases(self) -> dict[str, tuple[tuple[str, torch.Tensor, torch.Tensor | None], ...]]:
+        """Per base buffer: (alias, view of the original, same view of the twin or None)."""
+        twins = dict(self.plan.phases["eager"].swaps)
+        out = {}
+        for name, d in self.plan.buffers.items():
+            base = self._tensors[name]
+            lo, hi = _span(base)
+            rows = []
+            for alias in d.aliases:
+                v = self._get(alias)
+                ok = isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+                vlo, vhi = _span(v) if isinstance(v, torch.Tensor) else (0, 0)
+                if not ok or vlo < lo or vhi > hi:
+                    raise self._err(alias, f"declared alias is not a view of '{name}'", f"a view inside '{name}'",
+                                    type(v).__name__ if not isinstance(v, torch.Tensor) else f"bytes [{vlo:#x}, {vhi:#x})",
+                                    f"bind it as a view, e.g. {alias} = {name}[:n]")
+                twin_view = None
+                if name in twins:
+                    twin = self._tensors[twins[name]]
+                    off = v.storage_offset() - base.storage_offset()
+                    twin_view = twin.as_strided(v.shape, v.stride(), twin.storage_offset() + off)
+                rows.append((alias, v, twin_view))
+            out[name] = tuple(rows)
+        for name in twins:
+            if name not in self._tensors:
+                continue
+            declared = {a for a, _, _ in out[name]}
+            base = self._tensors[name]
+            lo, hi = _span(base)
+            for attr, v in _instance_attrs(self.obj).items():
+                if (attr == name or attr in declared or not isinstance(v, torch.Tensor) or v is base
+                        or v.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()):
+                    continue
+                vlo, vhi = _span(v)
+                if vlo < hi and lo < vhi:
+                    raise self._err(name, f"attribute '{attr}' is an undeclared view of a swapped buffer",
+                                    f"'{attr}' declared in aliases=", "an undeclared view",
+                                    f"add aliases=('{attr}',) so the swap re-points it with the base")
+        return out
+
+    def _allocate_arenas(self) -> dict[str, torch.Tensor]:
+        names: list[str] = []
+        for p in PHASES:
+            names.extend(n for n in self.plan.phases[p].snapshot if n not in names)
+        by_dev: dict[torch.device, list[str]] = {}
+        for n in names:
+            by_dev.setdefault(self._tensors[n].device, []).append(n)
+        arena: dict[str, torch.Tensor] = {}
+        for dev, group in by_dev.items():
+            offsets, total = [], 0
+            for n in group:
+                offsets.append(total)
+                t = self._tensors[n]
+                total += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN
+            pin = dev.type == "cpu" and self.device.type == "cuda"
+            flat = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=dev, pin_memory=pin)
+            for n, off in zip(group, offsets):
+                t = self._tensors[n]
+                nbytes = t.numel() * t.element_size()
+                arena[n] = flat[off:off + nbytes].view(t.dtype).view(t.shape)
+        return arena
+
+    def _make_groups(self, phase: str) -> tuple[_Group, ...]:
+        pp = self.plan.phases[phase]
+        copies = {n: act for n, act in pp.copies}
+        by_dev: dict[torch.device, list[str]] = {}
+        for n in pp.snapshot:
+            by_dev.setdefault(self._tensors[n].device, []).append(n)
+        groups = []
+        for dev, names in by_dev.items():
+            cps = tuple((i, n, copies[n]) for i, n in enumerate(names) if n in copies)
+            groups.append(_Group(dev, tuple(names), tuple(self._tensors[n] for n in names),
+                                 tuple(self._arena[n] for n in names), cps))
+        return tuple(groups)
+
+    # ---------------------------------------------------------------------- introspection
+
+    @property
+    def poisoned(self) -> tuple[str, ...] | None:
+        """What could not be restored, or None when the state is healthy."""
+        return self._poisoned
+
+    @property
+    def active_phase(self) -> str | None:
+        return self._active.phase if self._active is not None else None
+
+    def addresses(self) -> dict[str, int]:
+        """The address manifest: every declared buffer's data pointer (twins included)."""
+        return {n: t.data_ptr() for n, t in self._tensors.items()}
+
+    def snapshot_names(self, phase: str) -> tuple[str, ...]:
+        return self.plan.phases[self._phase(phase)].snapshot
+
+    def snapshot_bytes(self, phase: str) -> int:
+        return sum(self._tensors[n].numel() * self._tensors[n].element_size() for n in self.snapshot_names(phase))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor bound to entry ``name`` at bind time (twins are entries too)."""
+        return self._tensors[name]
+
+    # ------------------------------------------------------------------------ use checks
+
+    def _phase(self, phase: str) -> str:
+        if phase not in PHASES:
+            raise SwitchError("unknown phase", expected=" / ".join(PHASES), found=phase,
+                              fix="eager for a plain forward, capture under stream capture, replay around replay()")
+        return phase
+
+    def _check_usable(self) -> None:
+        if self._poisoned is not None:
+            raise CorruptedStateError(
+                f"state of {type(self.obj).__qualname__} is poisoned: a restore failed earlier",
+                buffer=", ".join(self._poisoned), expected="every buffer restored", found="restore failed",
+                fix="rebuild the metadata object (these buffers may hold draft-state contents) and bind it again",
+                failures=self._poisoned)
+
+    def _expected_binding(self, name: str) -> Any:
+        sw = self._active
+        held = sw.resolve.get(name, name) if sw is not None else name
+        return self._tensors[held] if name in self._tensors else self._objects[held]
+
+    def _check_bindings(self) -> None:
+        for name in self.plan.buffers:
+            want = self._expected_binding(name)
+            cur = getattr(self.obj, name, None)
+            if cur is not want and not (isinstance(cur, torch.Tensor) and cur.data_ptr() == want.data_ptr()
+                                        and cur.shape == want.shape and cur.dtype == want.dtype):
+                found = f"{tuple(cur.shape)} at {cur.data_ptr():#x}" if isinstance(cur, torch.Tensor) else type(cur).__name__
+                raise SwitchError("attribute was rebound behind graphctl's back", buffer=name,
+                                  expected=f"{tuple(want.shape)} at {want.data_ptr():#x} (bound)", found=found,
+                                  fix="static buffers must keep their address: write in place with state.write(), "
+                                      "or call graphctl.bind() again after reallocating")
+        for name in self.plan.objects:
+            if getattr(self.obj, name, None) is not self._expected_binding(name):
+                raise SwitchError("attribute was rebound behind graphctl's back", buffer=name,
+                                  expected="the object bound at bind()", found="another object",
+                                  fix="rebind through the spec (Swap) or call graphctl.bind() again")
+
+    def _hook(self, stage: str, step: str, when: str) -> None:
+        if self._fault_hook is not None:
+            self._fault_hook(stage, step, when)
+
+    # ------------------------------------------------------------------------ the switch
+
+    def switch(self, role: str, phase: str = "eager") -> "_Switch":
+        """Context manager: enter ``role`` (``"draft"``) for ``phase`` (``eager``, ``capture``,
+        ``replay``) and restore everything on exit. See the module docstring."""
+        if role not in ROLES:
+            raise SwitchError("unknown role", expected=" / ".join(ROLES), found=role,
+                              fix="the target role is the bound state itself; switch('draft', ...) enters the draft")
+        return _Switch(self, role, self._phase(phase))
+
+    def _steps(self, phase: str) -> list[_Step]:
+        pp = self.plan.phases[phase]
+        steps = [self._snapshot_step(g) for g in self._groups[phase]]
+        for name, twin in pp.swaps:
+            steps.append(self._rebind_step(name, twin))
+        steps.extend(self._recompute_step(n) for n in pp.recompute)
+        return steps
+
+    def _snapshot_step(self, g: _Group) -> _Step:
+        def apply() -> None:
+            sources = list(g.statics)
+            for i, name, act in g.copies:
+                src = act.source(self.obj) if callable(act.source) else getattr(self.obj, act.source)
+                self._check_source(name, src, "source", lambda *a: SwitchError(a[1], buffer=a[0], expected=a[2],
+                                                                               found=a[3], fix=a[4]))
+                sources[i] = src
+            ops.swap_through_(g.statics, g.arenas, sources)
+
+        def undo() -> None:
+            ops.copy_(g.statics, g.arenas)
+
+        return _Step(f"snapshot[{g.device}]({', '.join(g.names)})", apply, undo)
+
+    def _rebind_step(self, name: str, twin: str) -> _Step:
+        obj = self.obj
+        original = self._tensors.get(name, self._objects.get(name))
+        twin_value = self._tensors.get(twin, self._objects.get(twin))
+        aliases = self._aliases.get(name, ())
+
+        def apply() -> None:
+            setattr(obj, name, twin_value)
+            for alias, _, tv in aliases:
+                setattr(obj, alias, tv)
+
+        def undo() -> None:
+            # Always back to the bind-time original: a repeated swap can never save the twin.
+            for alias, ov, _ in aliases:
+                setattr(obj, alias, ov)
+            setattr(obj, name, original)
+
+        return _Step(f"swap({name})", apply, undo)
+
+    def _recompute_step(self, name: str) -> _Step:
+        return _Step(f"recompute({name})", lambda: self._recompute(name), lambda: None)
+
+    def _recompute(self, name: str, out: torch.Tensor | None = None) -> None:
+        rc = self.plan.buffers[name].derive
+        target = getattr(self.obj, name) if out is None else out
+        rc.fn(target, *(getattr(self.obj, i) for i in rc.inputs))
+
+    # --------------------------------------------------------------------- writes, checks
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        """Write ``value`` into buffer ``name`` in place and recompute every derived buffer
+        that depends on it, transitively (on the device, capturable, no host sync).
+
+        ``value`` has the buffer's shape, except along the declared axis where it may be
+        shorter (``n`` rows): the tail ``[n:extent]`` then gets the padding policy. Inside a
+        switch only ``mutable`` buffers may be written (they are snapshotted and restored)."""
+        self._check_usable()
+        d = self.plan.buffers.get(name)
+        if d is None:
+            kind = "an object entry" if name in self.plan.objects else "not declared"
+            raise SwitchError("write() target is not a declared buffer", buffer=name, expected="a buffer entry",
+                              found=kind, fix="declare it with spec.buffer(...); objects are rebound with Swap")
+        if d.derive is not None:
+            raise SwitchError("write() to a derived buffer", buffer=name, expected="a write to one of its inputs",
+                              found=f"Recompute(inputs={list(d.derive.inputs)})",
+                              fix="write its inputs; graphctl recomputes it from them")
+        sw = self._active
+        if sw is not None and name not in self.plan.mutable:
+            raise SwitchError("write() inside a switch to a buffer not declared mutable", buffer=name,
+                              expected="mutable=True", found="mutable=False",
+                              fix="declare mutable=True so the switch snapshots and restores it")
+        target = getattr(self.obj, name, None)
+        want = self._expected_binding(name)
+        if target is not want:
+            self._check_bindings()
+            target = want
+        self._check_value(name, d, target, value)
+        ax = d.axis_dim if d.axis is not None else 0
+        n = value.shape[ax] if value.dim() else 1
+        if d.axis is not None and n < target.shape[ax]:
+            target.narrow(ax, 0, n).copy_(value)
+            d.pad.apply(target.narrow(ax, n, target.shape[ax] - n))
+        else:
+            target.copy_(value)
+        for dep in self.plan.dependents[name]:
+            self._recompute(dep)
+
+    def _check_value(self, name: str, d: BufferDecl, target: torch.Tensor, value: Any) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise SwitchError("write() value is not a tensor", buffer=name, expected="torch.Tensor",
+                              found=type(value).__name__, fix="wrap it with torch.as_tensor on the buffer's device")
+        if value.dtype != target.dtype:
+            raise SwitchError("write() value has another dtype", buffer=name, expected=target.dtype, found=value.dtype,
+                              fix=f"convert it first (value.to({target.dtype})); graphctl never casts silently")
+        if value.device != target.device:
+            raise SwitchError("write() value is on another device", buffer=name, expected=target.device,
+                              found=value.device, fix="stage it on the buffer's device first")
+        ok = value.dim() == target.dim()
+        if ok:
+            for i, (v, t) in enumerate(zip(value.shape, target.shape)):
+                if v != t and not (d.axis is not None and i == d.axis_dim and v < t):
+                    ok = False
+        if not ok:
+            rule = (f"{tuple(target.shape)} or fewer rows along dim {d.axis_dim} ('{d.axis}')"
+                    if d.axis is not None else f"{tuple(target.shape)} (no axis declared)")
+            raise SwitchError("write() value has the wrong shape", buffer=name, expected=rule,
+                              found=tuple(value.shape), fix="write at most the buffer's extent; padding fills the tail")
+
+    def pad(self, counts: Mapping[str, int]) -> None:
+        """Apply every buffer's padding policy to ``[n:extent]`` along its axis, for
+        ``counts = {"seq": n_seqs, "token": n_tokens, ...}``, then recompute dependents."""
+        self._check_usable()
+        if self._active is not None:
+            raise SwitchError("pad() inside a switch", expected="pad before entering the switch",
+                              found=f"active phase {self._active.phase}", fix="pad, then switch")
+        touched = []
+        for name, d in self.plan.buffers.items():
+            if d.axis in counts and d.derive is None and not d.stable:
+                t = self._tensors[name]
+                n = counts[d.axis]
+                if not 0 <= n <= t.shape[d.axis_dim]:
+                    raise SwitchError("pad() count outside the buffer", buffer=name,
+                                      expected=f"0 <= {d.axis} <= {t.shape[d.axis_dim]}", found=n,
+                                      fix="pass the live count, at most the bucket size")
+                d.pad.apply(t.narrow(d.axis_dim, n, t.shape[d.axis_dim] - n))
+                touched.append(name)
+        for dep in self.plan.closure(touched):
+            self._recompute(dep)
+
+    def check(self) -> None:
+        """Debug: recompute every derived buffer into scratch and raise ``StaleBufferError``
+        on the first one that differs from the live buffer. Host sync; not for captures."""
+        self._check_usable()
+        for name in self.plan.order:
+            live = getattr(self.obj, name)
+            scratch = self._scratch.get(name)
+            if scratch is None or scratch.shape != live.shape or scratch.device != live.device:
+                scratch = self._scratch[name] = torch.empty_like(live)
+            self._recompute(name, out=scratch)
+            a, b = live.reshape(-1).view(torch.uint8), scratch.reshape(-1).view(torch.uint8)
+            if not torch.equal(a, b):
+                es = live.element_size()
+                idx = int((a != b).nonzero()[0]) // es
+                inputs = list(self.plan.buffers[name].derive.inputs)
+                raise StaleBufferError("derived buffer is stale", buffer=name,
+                                       expected=f"fn({', '.join(inputs)})[{idx}] = {scratch.reshape(-1)[idx].item()}",
+                                       found=live.reshape(-1)[idx].item(), index=idx,
+                                       fix=f"an input of '{name}' was written behind graphctl's back: "
+                                           "write inputs with state.write()")
+
+    def _fingerprints(self, phase: str) -> list[list[int]]:
+        return [ops.fingerprint(g.statics).tolist() for g in self._groups[phase]]
+
+
+class _Switch:
+    """The context manager returned by :meth:`BoundState.switch`; one use."""
+
+    __slots__ = ("state", "role", "phase", "resolve", "applied", "before")
+
+    def __init__(self, state: BoundState, role: str, phase: str) -> None:
+        self.state, self.role, self.phase = state, role, phase
+        self.resolve = state.plan.phases[phase].resolve
+        self.applied: list[_Step] = []
+        self.before: list[list[int]] | None = None
+
+    def _check_capture(self) -> None:
+        st = self.state
+        if st.device.type != "cuda":
+            return
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing != (self.phase == "capture"):
+            raise SwitchError("phase does not match the stream's capture status", expected="capture" if capturing
+                              else "eager or replay", found=self.phase,
+                              fix="use phase='capture' exactly when the current stream is capturing")
+
+    def __enter__(self) -> "_Switch":
+        st = self.state
+        st._check_usable()
+        if st._active is not None:
+            raise NestedSwitchError("switch entered while another switch is active on this state",
+                                    expected="no active switch", found=f"active '{st._active.role}' "
+                                    f"({st._active.phase})", fix="exit the active switch first; one switch per state")
+        self._check_capture()
+        st._check_bindings()
+        if self.phase != "capture":
+            if knobs.check_stale:
+                st.check()
+            if knobs.verify_restore:
+                self.before = st._fingerprints(self.phase)
+        try:
+            for step in st._steps(self.phase):
+                st._hook("apply", step.name, "before")
+                step.apply()
+                self.applied.append(step)
+                st._hook("apply", step.name, "after")
+        except BaseException as exc:
+            failures = self._undo("undo")
+            if failures:
+                st._poisoned = tuple(name for name, _ in failures)
+                for name, err in failures:
+                    exc.add_note(f"graphctl: undo of {name} failed ({type(err).__name__}: {err}); state poisoned")
+            raise
+        st._active = self
+        return self
+
+    def _undo(self, stage: str) -> list[tuple[str, BaseException]]:
+        st, failures = self.state, []
+        for step in reversed(self.applied):
+            try:
+                st._hook(stage, step.name, "before")
+                step.undo()
+                st._hook(stage, step.name, "after")
+            except BaseException as err:  # keep restoring the rest; report all of them
+                failures.append((step.name, err))
+        self.applied.clear()
+        return failures
+
+    def __exit__(self, et, ev, tb) -> bool:
+        st = self.state
+        st._active = None
+        failures = self._undo("restore")
+        if not failures and self.before is not None:
+            after = st._fingerprints(self.phase)
+            for g, b, a in zip(st._groups[self.phase], self.before, after):
+                failures += [(f"verify({n})", RuntimeError("fingerprint changed"))
+                             for n, x, y in zip(g.names, b, a) if x != y]
+        if not failures:
+            return False
+        st._poisoned = tuple(name for name, _ in failures)
+        err = CorruptedStateError(
+            "restore after the switch failed; the state is poisoned", buffer=", ".join(st._poisoned),
+            expected="every declared buffer and attribute restored",
+            found="; ".join(f"{n}: {type(e).__name__}: {e}" for n, e in failures),
+            fix="rebuild the metadata object and bind it again; later uses of this state raise",
+            failures=st._poisoned)
+        raise err from (ev if ev is not None else failures[0][1])

@@ -1,0 +1,237 @@
+"""A Hypothesis ``RuleBasedStateMachine`` for the swap/restore invariants of a bound state.
+
+Run it on your own backend by overriding :meth:`SwitchMachine.draw_case`, returning a
+:class:`~graphctl.testing.strategies.Case` (your metadata object, the registry holding its
+spec, a generator for values)::
+
+    class MyBackendMachine(SwitchMachine):
+        def draw_case(self, data):
+            return Case(obj=make_my_metadata(), spec=my_spec, registry=my_registry,
+                        gen=torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1))))
+
+    TestMyBackend = MyBackendMachine.TestCase
+
+Rules: writes (outside and inside a switch), switch enter/exit in every phase, bodies raising
+``Exception`` and ``BaseException``, faults injected before/after any apply, undo or restore
+step, nested switch attempts. Invariants after every step: outside a switch every buffer is
+bitwise what the model says (or the state is poisoned and refuses all use, exactly when an
+undo or restore fault fired); derived buffers equal ``fn(inputs)``; addresses and attribute
+bindings unchanged; no allocation inside a switch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from graphctl.errors import CorruptedStateError, NestedSwitchError, StaleBufferError, SwitchError
+from graphctl.state import PHASES, bind
+from graphctl.testing.alloc import AllocationTracker
+from graphctl.testing.strategies import Case, cases
+
+__all__ = ["SwitchMachine", "InjectedFault", "InjectedInterrupt"]
+
+
+class InjectedFault(Exception):
+    """A fault the machine raised on purpose."""
+
+
+class InjectedInterrupt(BaseException):
+    """A ``KeyboardInterrupt``-like fault: not an ``Exception``."""
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8).cpu()
+
+
+class SwitchMachine(RuleBasedStateMachine):
+    def draw_case(self, data: Any) -> Case:
+        """Override to run the machine on your own backend."""
+        return data.draw(cases())
+
+    # -------------------------------------------------------------------------- setup
+
+    @initialize(data=st.data())
+    def setup(self, data: Any) -> None:
+        self._start(self.draw_case(data))
+
+    def _start(self, case: Case) -> None:
+        self.case = case
+        self.state = bind(case.obj, registry=case.registry)
+        self.state._fault_hook = self._hook
+        self.plan = self.state.plan
+        self.names = list(self.plan.buffers)
+        self.model = {n: getattr(case.obj, n).detach().clone() for n in self.names}  # what outside should hold
+        self.bindings = {n: getattr(case.obj, n) for n in list(self.plan.buffers) + list(self.plan.objects)}
+        self.manifest = self.state.addresses()
+        self.switch = None
+        self.faults: list[list[Any]] = []  # [stage, when, countdown, exception type]
+        self.fired: list[str] = []
+        note(f"spec {case.spec.name}: " + ", ".join(f"{n}:{d}" for n, d in case.spec.entries.items()))
+
+    def _hook(self, stage: str, step: str, when: str) -> None:
+        for f in self.faults:
+            if f[0] == stage and f[1] == when:
+                f[2] -= 1
+                if f[2] == 0:
+                    self.faults.remove(f)
+                    self.fired.append(stage)
+                    note(f"fault {f[3].__name__} at {stage} {when} {step}")
+                    raise f[3](f"injected at {stage} {when} {step}")
+
+    def _expect_poisoned(self) -> bool:
+        return any(s in ("undo", "restore") for s in self.fired)
+
+    # -------------------------------------------------------------------------- rules
+
+    @precondition(lambda self: self.state.poisoned is None)
+    @rule(stage=st.sampled_from(["apply", "undo", "restore"]), when=st.sampled_from(["before", "after"]),
+          countdown=st.integers(1, 4), kind=st.sampled_from([InjectedFault, InjectedInterrupt]))
+    def arm_fault(self, stage: str, when: str, countdown: int, kind: type) -> None:
+        self.faults.append([stage, when, countdown, kind])
+
+    @precondition(lambda self: self.state.poisoned is None)
+    @rule(data=st.data())
+    def write(self, data: Any) -> None:
+        name = data.draw(st.sampled_from(self.names), label="buffer")
+        d = self.plan.buffers[name]
+        live = getattr(self.case.obj, name)
+        rows = None
+        if d.axis is not None:
+            rows = data.draw(st.integers(0, live.shape[d.axis_dim]), label="rows")
+        value = self.case.value(name, rows)
+        refused = d.derive is not None or (self.switch is not None and not d.mutable)
+        before = {n: _bytes(getattr(self.case.obj, n)) for n in self.names}
+        if refused:
+            try:
+                self.state.write(name, value)
+            except SwitchError:
+                pass
+            else:
+                raise AssertionError(f"write to {name} should have been refused")
+            for n in self.names:
+                assert torch.equal(before[n], _bytes(getattr(self.case.obj, n))), f"refused write changed {n}"
+            return
+        self.state.write(name, value)
+        if self.switch is None:
+            self._model_write(name, value)
+
+    def _model_write(self, name: str, value: torch.Tensor) -> None:
+        d = self.plan.buffers[name]
+        m = self.model[name]
+        if d.axis is not None and value.shape[d.axis_dim] < m.shape[d.axis_dim]:
+            n = value.shape[d.axis_dim]
+            m.narrow(d.axis_dim, 0, n).copy_(value)
+            tail = m.narrow(d.axis_dim, n, m.shape[d.axis_dim] - n)
+            if d.pad.kind == "zero":
+                tail.zero_()
+            elif d.pad.kind == "fill":
+                tail.fill_(d.pad.value)
+            elif d.pad.kind == "clamp":
+                tail.clamp_(d.pad.lo, d.pad.hi)
+        else:
+            m.copy_(value)
+        for dep in self.plan.dependents[name]:
+            rc = self.plan.buffers[dep].derive
+            rc.fn(self.model[dep], *(self.model[i] for i in rc.inputs))
+
+    @precondition(lambda self: self.state.poisoned is None)
+    @rule(phase=st.sampled_from(PHASES))
+    def enter(self, phase: str) -> None:
+        if self.switch is not None:
+            before = {n: _bytes(getattr(self.case.obj, n)) for n in self.names}
+            try:
+                with self.state.switch("draft", phase):
+                    raise AssertionError("nested switch entered")
+            except NestedSwitchError:
+                pass
+            for n in self.names:
+                assert torch.equal(before[n], _bytes(getattr(self.case.obj, n))), f"nested attempt changed {n}"
+            assert self.state.active_phase == self.switch.phase
+            return
+        cm = self.state.switch("draft", phase)
+        n_fired = len(self.fired)
+        with AllocationTracker() as alloc:
+            try:
+                cm.__enter__()
+            except (InjectedFault, InjectedInterrupt):
+                assert "apply" in self.fired[n_fired:], "an exception escaped without an apply fault"
+                assert self.state.active_phase is None
+                return
+        assert not alloc.allocations, f"switch entry allocated: {alloc.allocations}"
+        assert len(self.fired) == n_fired, "a fault fired but entry succeeded"
+        self.switch = cm
+        self._check_inside()
+
+    def _check_inside(self) -> None:
+        pp = self.plan.phases[self.switch.phase]
+        for name, twin in pp.swaps:
+            assert getattr(self.case.obj, name) is self.bindings[twin], f"{name} not swapped to {twin}"
+        self.state.check()
+
+    @precondition(lambda self: self.switch is not None)
+    @rule(body=st.sampled_from([None, InjectedFault, InjectedInterrupt]))
+    def exit(self, body: type | None) -> None:
+        cm, self.switch = self.switch, None
+        exc = body("body raised") if body is not None else None
+        n_fired = len(self.fired)
+        with AllocationTracker() as alloc:
+            try:
+                swallowed = cm.__exit__(body, exc, None)
+            except CorruptedStateError:
+                assert "restore" in self.fired[n_fired:], "CorruptedStateError without a restore fault"
+                return
+        assert not swallowed, "a switch must never swallow the body's exception"
+        assert not alloc.allocations, f"switch exit allocated: {alloc.allocations}"
+        assert "restore" not in self.fired[n_fired:], "a restore fault fired but exit reported success"
+
+    @precondition(lambda self: self.state.poisoned is not None)
+    @rule(data=st.data())
+    def rebuild(self, data: Any) -> None:
+        self._start(self.draw_case(data))
+
+    # ----------------------------------------------------------------------- invariants
+
+    @invariant()
+    def poisoned_iff_restore_failed(self) -> None:
+        assert (self.state.poisoned is not None) == self._expect_poisoned(), (self.state.poisoned, self.fired)
+
+    @invariant()
+    def poisoned_state_refuses(self) -> None:
+        if self.state.poisoned is None:
+            return
+        for use in (lambda: self.state.switch("draft", "eager").__enter__(),
+                    lambda: self.state.write(self.names[0], getattr(self.case.obj, self.names[0]).clone()),
+                    self.state.check):
+            try:
+                use()
+            except CorruptedStateError:
+                continue
+            raise AssertionError("a poisoned state accepted a use")
+
+    @invariant()
+    def outside_matches_model(self) -> None:
+        if self.switch is not None or self.state.poisoned is not None:
+            return
+        for n in self.names:
+            live = getattr(self.case.obj, n)
+            assert live is self.bindings[n], f"{n} not rebound to its original"
+            assert torch.equal(_bytes(live), _bytes(self.model[n])), f"{n} differs from the model"
+        for n in self.plan.objects:
+            assert getattr(self.case.obj, n) is self.bindings[n], f"object {n} not restored"
+        for d in self.plan.buffers.values():
+            for alias in d.aliases:
+                v = getattr(self.case.obj, alias)
+                assert v.data_ptr() >= self.bindings[d.name].data_ptr() and \
+                    v.untyped_storage().data_ptr() == self.bindings[d.name].untyped_storage().data_ptr(), alias
+        try:
+            self.state.check()
+        except StaleBufferError as e:
+            raise AssertionError(f"derived buffer stale outside a switch: {e}") from e
+
+    @invariant()
+    def addresses_unchanged(self) -> None:
+        assert self.state.addresses() == self.manifest
