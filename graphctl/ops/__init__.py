@@ -33,6 +33,8 @@ def swap_through_(static: Sequence[torch.Tensor], arena: Sequence[torch.Tensor],
     """Snapshot and apply in one pass: ``arena[i] = static[i]; static[i] = source[i]``.
 
     An entry whose ``source`` is its ``static`` buffer is a snapshot only."""
+    if not static:  # an empty call has no tensor to dispatch on; nothing to do
+        return
     if uses_extension():
         torch.ops.graphctl.swap_through_(list(static), list(arena), list(source))
     else:
@@ -41,6 +43,8 @@ def swap_through_(static: Sequence[torch.Tensor], arena: Sequence[torch.Tensor],
 
 def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """Restore direction: ``dst[i] = src[i]`` bytewise, all buffers in one call."""
+    if not dst:
+        return
     if uses_extension():
         torch.ops.graphctl.copy_(list(dst), list(src))
     else:
@@ -49,6 +53,8 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
 
 def fingerprint(bufs: Sequence[torch.Tensor]) -> torch.Tensor:
     """int64 hash per buffer (on the buffers' device with the extension, CPU otherwise)."""
+    if not bufs:
+        return torch.empty(0, dtype=torch.int64)
     if uses_extension():
         return torch.ops.graphctl.fingerprint(list(bufs))
     return reference.fingerprint(bufs)

@@ -1,0 +1,289 @@
+"""Every bad input graphctl refuses, as data: one row per error of docs/errors.md.
+
+``python tests/error_cases.py`` prints the table (with the message each case produces);
+``tests/unit/test_errors.py`` raises every case and checks the table is current."""
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from typing import Callable
+
+import torch
+
+from graphctl import (BindError, CopyInPlace, CorruptedStateError, DeclarationError, NestedSwitchError, Pad,
+                      Recompute, Registry, Stable, StaleBufferError, StateSpec, Swap, SwitchError, bind)
+from mini import MiniMetadata, make_registry, make_spec
+
+G = lambda: torch.Generator().manual_seed(1234)  # noqa: E731  (fixed: the table shows real messages)
+noop = lambda out, *xs: None  # noqa: E731
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    exc: type
+    when: str  # "declaration", "bind", "use"
+    trigger: str  # what the user did, for the table
+    run: Callable[[], object]
+    needs_cuda: bool = False  # raised only where CUDA exists; the table then shows `cuda_message`
+
+
+PINNED_MESSAGE = ("[h] _Obj.h: host buffer is not pinned: expected pinned memory, found pageable memory. "
+                  "Fix: allocate with pin_memory=True so copies are asynchronous")
+
+
+def _spec(*decls):
+    s = StateSpec("t")
+    for kind, name, kw in decls:
+        getattr(s, kind)(name, **kw)
+    return s
+
+
+def _register(spec, cls=None):
+    return Registry().register(cls or type("M", (), {}), spec)
+
+
+class _Obj:
+    pass
+
+
+def _bind(spec, **attrs):
+    o = _Obj()
+    for k, v in attrs.items():
+        setattr(o, k, v)
+    reg = Registry()
+    reg.register(_Obj, spec)
+    return bind(o, registry=reg)
+
+
+def _mini():
+    m = MiniMetadata(G())
+    return m, bind(m, registry=make_registry())
+
+
+def _mini_with(**changes):
+    m = MiniMetadata(G())
+    for k, v in changes.items():
+        setattr(m, k, v(m))
+    return bind(m, registry=make_registry())
+
+
+def _enter(st, phase="eager"):
+    return st.switch("draft", phase).__enter__()
+
+
+def _nested():
+    m, st = _mini()
+    with st.switch("draft", "eager"):
+        _enter(st)
+
+
+def _poisoned():
+    m, st = _mini()
+    st._fault_hook = lambda stage, step, when: (_ for _ in ()).throw(RuntimeError("fault")) if stage == "restore" else None
+    try:
+        with st.switch("draft", "eager"):
+            pass
+    except CorruptedStateError:
+        pass
+    st.write("seq_lens", m.seq_lens.clone())
+
+
+def _write_inside(name, value):
+    m, st = _mini()
+    with st.switch("draft", "eager"):
+        st.write(name, value(m))
+
+
+def _stale():
+    m, st = _mini()
+    m.seq_lens[0] += 1
+    st.check()
+
+
+def _rebound():
+    m, st = _mini()
+    m.seq_lens = m.seq_lens.clone()
+    _enter(st)
+
+
+def _bad_source():
+    m, st = _mini()
+    m.draft_kv_cache_manager.pool_indices = m.draft_kv_cache_manager.pool_indices[:2]
+    _enter(st)
+
+
+def _restore_fails():
+    m, st = _mini()
+    st._fault_hook = lambda stage, step, when: (_ for _ in ()).throw(RuntimeError("device lost")) \
+        if stage == "restore" and step.startswith("snapshot") else None
+    with st.switch("draft", "eager"):
+        pass
+
+
+T = torch.zeros
+I32 = torch.int32
+CASES: list[Case] = [
+    # ---- declaration errors (StateSpec / register)
+    Case("decl-duplicate", DeclarationError, "declaration", "the same name declared twice",
+         lambda: _spec(("buffer", "a", {}), ("buffer", "a", {}))),
+    Case("decl-override", DeclarationError, "declaration", "redeclaring a parent entry without override=True",
+         lambda: StateSpec("c", extends=_spec(("buffer", "a", {}))).buffer("a")),
+    Case("decl-frozen", DeclarationError, "declaration", "adding to a registered spec",
+         lambda: _register(_spec(("buffer", "a", {}))).buffer("b")),
+    Case("decl-axis", DeclarationError, "declaration", "unknown axis name",
+         lambda: _spec(("buffer", "a", {"axis": "batch", "pad": Pad.zero()}))),
+    Case("decl-axis-no-pad", DeclarationError, "declaration", "an axis without a padding policy",
+         lambda: _spec(("buffer", "a", {"axis": "seq"}))),
+    Case("decl-pad-no-axis", DeclarationError, "declaration", "a padding policy without an axis",
+         lambda: _spec(("buffer", "a", {"pad": Pad.zero()}))),
+    Case("decl-pad-bounds", DeclarationError, "declaration", "Pad.clamp with lo > hi", lambda: Pad.clamp(5, 1)),
+    Case("decl-pad-kind", DeclarationError, "declaration", "an unknown padding kind", lambda: Pad("wrap")),
+    Case("decl-axis-dim", DeclarationError, "declaration", "axis_dim outside the declared shape",
+         lambda: _spec(("buffer", "a", {"shape": ("S",), "axis": "seq", "axis_dim": 1, "pad": Pad.zero()}))),
+    Case("decl-readers", DeclarationError, "declaration", "readers naming an unknown segment",
+         lambda: _spec(("buffer", "a", {"readers": {"prefill"}}))),
+    Case("decl-swap-missing-twin", DeclarationError, "declaration", "Swap to an undeclared twin",
+         lambda: _register(_spec(("buffer", "a", {"draft": Swap("b")})))),
+    Case("decl-swap-kind", DeclarationError, "declaration", "Swap of a buffer to an object entry",
+         lambda: _register(_spec(("object", "b", {}), ("buffer", "a", {"draft": Swap("b")})))),
+    Case("decl-swap-shape", DeclarationError, "declaration", "a twin declared with another shape or dtype",
+         lambda: _register(_spec(("buffer", "b", {"shape": ("S", "B2")}),
+                                 ("buffer", "a", {"shape": ("S", "B"), "draft": Swap("b")})))),
+    Case("decl-swap-self", DeclarationError, "declaration", "Swap to itself",
+         lambda: _register(_spec(("buffer", "a", {"draft": Swap("a")})))),
+    Case("decl-swap-chain", DeclarationError, "declaration", "a twin that is itself swapped",
+         lambda: _register(_spec(("buffer", "c", {}), ("buffer", "b", {"draft": Swap("c")}),
+                                 ("buffer", "a", {"draft": Swap("b")})))),
+    Case("decl-swap-shared-twin", DeclarationError, "declaration", "two bases swapping to one twin",
+         lambda: _register(_spec(("buffer", "t", {}), ("buffer", "a", {"draft": Swap("t")}),
+                                 ("buffer", "b", {"draft": Swap("t")})))),
+    Case("decl-swap-refresh", DeclarationError, "declaration", "refresh= on a swapped buffer",
+         lambda: _spec(("buffer", "a", {"draft": Swap("b"), "refresh": CopyInPlace("s")}))),
+    Case("decl-recompute-input", DeclarationError, "declaration", "Recompute of an undeclared input",
+         lambda: _register(_spec(("buffer", "d", {"derive": Recompute(["x"], noop)})))),
+    Case("decl-cycle", DeclarationError, "declaration", "Recompute inputs forming a cycle",
+         lambda: _register(_spec(("buffer", "a", {"derive": Recompute(["b"], noop)}),
+                                 ("buffer", "b", {"derive": Recompute(["a"], noop)})))),
+    Case("decl-refresh-target-reader", DeclarationError, "declaration",
+         "refresh= (CopyInPlace around replay) on a buffer the target segment reads",
+         lambda: _register(_spec(("buffer", "a", {"refresh": CopyInPlace("s")})))),
+    Case("decl-refresh-dependent-reader", DeclarationError, "declaration",
+         "a derived buffer read by the target but recomputed from a replay refresh",
+         lambda: _register(_spec(("buffer", "t", {"readers": {"draft"}, "refresh": CopyInPlace("s")}),
+                                 ("buffer", "d", {"derive": Recompute(["t"], noop)})))),
+    Case("decl-derived-copy", DeclarationError, "declaration", "a derived buffer also copied in place",
+         lambda: _spec(("buffer", "d", {"derive": Recompute(["x"], noop), "draft": CopyInPlace("s")}))),
+    Case("decl-derived-mutable", DeclarationError, "declaration", "a derived buffer declared mutable",
+         lambda: _spec(("buffer", "d", {"derive": Recompute(["x"], noop), "mutable": True}))),
+    Case("decl-stable-mutable", DeclarationError, "declaration", "a Stable buffer declared mutable",
+         lambda: _spec(("buffer", "a", {"draft": Stable(), "mutable": True}))),
+    Case("decl-alias-entry", DeclarationError, "declaration", "an alias that is also declared as an entry",
+         lambda: _register(_spec(("buffer", "v", {}), ("buffer", "a", {"aliases": ("v",)})))),
+    Case("decl-alias-two-bases", DeclarationError, "declaration", "one alias declared for two bases",
+         lambda: _register(_spec(("buffer", "a", {"aliases": ("v",)}), ("buffer", "b", {"aliases": ("v",)})))),
+    Case("decl-copy-chain", DeclarationError, "declaration", "CopyInPlace reading a buffer that is copied in place",
+         lambda: _register(_spec(("buffer", "s", {"draft": CopyInPlace("x")}),
+                                 ("buffer", "a", {"draft": CopyInPlace("s")})))),
+    Case("decl-object-action", DeclarationError, "declaration", "CopyInPlace on an object entry",
+         lambda: _spec(("object", "m", {"draft": CopyInPlace("x")}))),
+    Case("decl-bad-recompute", DeclarationError, "declaration", "Recompute with no inputs",
+         lambda: Recompute([], noop)),
+    Case("decl-register-twice", DeclarationError, "declaration", "registering one type twice",
+         lambda: [r := Registry(), r.register(_Obj, _spec()), r.register(_Obj, _spec())]),
+    Case("decl-register-not-type", DeclarationError, "declaration", "registering an instance instead of a type",
+         lambda: Registry().register(_Obj(), _spec())),
+    # ---- bind errors
+    Case("bind-unregistered", BindError, "bind", "binding an object whose type has no spec",
+         lambda: bind(_Obj(), registry=Registry())),
+    Case("bind-missing", BindError, "bind", "a declared attribute missing on the object",
+         lambda: _bind(_spec(("buffer", "a", {})))),
+    Case("bind-not-tensor", BindError, "bind", "a declared buffer holding a non-tensor",
+         lambda: _bind(_spec(("buffer", "a", {})), a=[1, 2])),
+    Case("bind-dtype", BindError, "bind", "dtype differing from the declaration",
+         lambda: _bind(_spec(("buffer", "a", {"dtype": torch.int32})), a=T(3, dtype=torch.int64))),
+    Case("bind-rank", BindError, "bind", "rank differing from the declared shape",
+         lambda: _bind(_spec(("buffer", "a", {"shape": ("S", "B")})), a=T(3))),
+    Case("bind-dim", BindError, "bind", "two buffers disagreeing on one dimension name",
+         lambda: _bind(_spec(("buffer", "a", {"shape": ("S",)}), ("buffer", "b", {"shape": ("S",)})),
+                       a=T(3), b=T(4))),
+    Case("bind-host-device", BindError, "bind", "host=True buffer not on the CPU",
+         lambda: _bind(_spec(("buffer", "a", {"host": True})), a=T(3, device="meta"))),
+    Case("bind-devices", BindError, "bind", "device buffers on two devices",
+         lambda: _bind(_spec(("buffer", "a", {}), ("buffer", "b", {})), a=T(3), b=T(3, device="meta"))),
+    Case("bind-contiguous", BindError, "bind", "a strided (non-contiguous) buffer",
+         lambda: _bind(_spec(("buffer", "a", {})), a=T(4, 2)[:, 0])),
+    Case("bind-overlap", BindError, "bind", "two buffers sharing bytes",
+         lambda: (lambda base: _bind(_spec(("buffer", "a", {}), ("buffer", "b", {})), a=base[:6], b=base[4:]))(T(10))),
+    Case("bind-twin-shape", BindError, "bind", "a twin allocated at another shape",
+         lambda: _bind(_spec(("buffer", "t", {}), ("buffer", "a", {"draft": Swap("t")})), a=T(4), t=T(5))),
+    Case("bind-twin-same-object", BindError, "bind", "an object swapped to the very same object",
+         lambda: (lambda o: _bind(_spec(("object", "t", {}), ("object", "m", {"draft": Swap("t")})), m=o, t=o))(_Obj())),
+    Case("bind-alias", BindError, "bind", "a declared alias that is not a view of its base",
+         lambda: _bind(_spec(("buffer", "a", {"aliases": ("v",)})), a=T(4), v=T(2))),
+    Case("bind-undeclared-view", BindError, "bind", "a live view of a swapped buffer not declared as alias",
+         lambda: (lambda a: _bind(_spec(("buffer", "t", {}), ("buffer", "a", {"draft": Swap("t")})),
+                                  a=a, t=T(4), runtime=a[:2]))(T(4))),
+    Case("bind-source", BindError, "bind", "a CopyInPlace source attribute of another shape",
+         lambda: _bind(_spec(("buffer", "a", {"draft": CopyInPlace("s")})), a=T(4), s=T(3))),
+    Case("bind-host-pinned", BindError, "bind", "a host buffer in pageable memory on a CUDA state (GPU only)",
+         lambda: _bind(_spec(("buffer", "a", {}), ("buffer", "h", {"host": True})), a=T(3, device="cuda"), h=T(3)),
+         needs_cuda=True),
+    # ---- use errors
+    Case("use-role", SwitchError, "use", "switch() to an unknown role", lambda: _mini()[1].switch("target")),
+    Case("use-phase", SwitchError, "use", "switch() with an unknown phase", lambda: _mini()[1].switch("draft", "warmup")),
+    Case("use-nested", NestedSwitchError, "use", "a switch inside an active switch on the same state", _nested),
+    Case("use-poisoned", CorruptedStateError, "use", "any use after a failed restore", _poisoned),
+    Case("use-restore-failed", CorruptedStateError, "use", "a restore step failing at switch exit", _restore_fails),
+    Case("use-write-unknown", SwitchError, "use", "write() to an undeclared name",
+         lambda: _mini()[1].write("nope", T(1))),
+    Case("use-write-object", SwitchError, "use", "write() to an object entry",
+         lambda: _mini()[1].write("kv_cache_manager", T(1))),
+    Case("use-write-derived", SwitchError, "use", "write() to a derived buffer",
+         lambda: (lambda m, s: s.write("req_idx_per_token", m.req_idx_per_token.clone()))(*_mini())),
+    Case("use-write-not-tensor", SwitchError, "use", "write() of a list", lambda: _mini()[1].write("seq_lens", [1])),
+    Case("use-write-dtype", SwitchError, "use", "write() of another dtype",
+         lambda: _mini()[1].write("seq_lens", T(5, dtype=torch.int64))),
+    Case("use-write-device", SwitchError, "use", "write() from another device",
+         lambda: _mini()[1].write("seq_lens", T(5, dtype=I32, device="meta"))),
+    Case("use-write-shape", SwitchError, "use", "write() longer than the buffer",
+         lambda: _mini()[1].write("seq_lens", T(6, dtype=I32))),
+    Case("use-write-not-mutable", SwitchError, "use", "write() inside a switch to a buffer not declared mutable",
+         lambda: _write_inside("spec_positions", lambda m: m.spec_positions.clone())),
+    Case("use-rebound", SwitchError, "use", "a buffer attribute reallocated after bind()", _rebound),
+    Case("use-source", SwitchError, "use", "a callable CopyInPlace source returning the wrong shape", _bad_source),
+    Case("use-pad-inside", SwitchError, "use", "pad() inside a switch",
+         lambda: [st := _mini()[1], _enter(st), st.pad({"seq": 1})]),
+    Case("use-pad-count", SwitchError, "use", "pad() with a count beyond the buffer",
+         lambda: _mini()[1].pad({"seq": 99})),
+    Case("use-stale", StaleBufferError, "use", "an input written behind graphctl's back (debug check)", _stale),
+]
+
+
+def message(case: Case) -> str:
+    if case.needs_cuda and not torch.cuda.is_available():
+        return PINNED_MESSAGE
+    try:
+        case.run()
+    except case.exc as e:
+        return str(e)
+    raise AssertionError(f"{case.id}: {case.exc.__name__} not raised")
+
+
+def table() -> str:
+    lines = ["# graphctl errors", "",
+             "Every bad input graphctl refuses, with the exception and the message it produces (generated by "
+             "`python tests/error_cases.py`; `tests/unit/test_errors.py` raises each row and fails if this table "
+             "is out of date). Declaration errors come from `StateSpec`/`register`, bind errors from `bind`, use "
+             "errors from `switch`, `write`, `pad` and `check`. Every error has the fields `buffer`, `expected`, "
+             "`found` and `fix`.", "",
+             "| id | when | exception | trigger | message |", "|---|---|---|---|---|"]
+    for c in CASES:
+        msg = re.sub(r"0x[0-9a-f]+", "0x…", message(c)).replace("|", "\\|").replace("\n", " ")  # addresses vary
+        lines.append(f"| `{c.id}` | {c.when} | `{c.exc.__name__}` | {c.trigger} | {msg} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(table())

@@ -1,0 +1,112 @@
+"""graphctl._C CPU kernels against their pure-PyTorch references on random inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphctl import ops
+from graphctl.ops import reference
+from opcases import buffer_set, clones
+
+pytestmark = pytest.mark.skipif(not ops.uses_extension(), reason="graphctl._C not loaded")
+
+
+def _bytes_equal(a, b):
+    return all(torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 65, 449, 1000])
+def test_swap_through_matches_reference(n, gen):
+    statics, arenas, sources = buffer_set(n, gen)
+    s_ref, a_ref = clones(statics), clones(arenas)
+    src_ref = clones(sources)
+    # a third of the entries are snapshots only (source is the static buffer itself)
+    for i in range(0, n, 3):
+        sources[i] = statics[i]
+        src_ref[i] = s_ref[i]
+    want_arena = clones(statics)
+    ops.swap_through_(statics, arenas, sources)  # empty lists return before dispatch
+    reference.swap_through_(s_ref, a_ref, src_ref)
+    assert _bytes_equal(statics, s_ref) and _bytes_equal(arenas, a_ref)
+    assert _bytes_equal(arenas, want_arena)  # the arena holds the old contents
+    assert _bytes_equal([s for i, s in enumerate(statics) if i % 3],
+                        [s for i, s in enumerate(sources) if i % 3])
+
+
+@pytest.mark.parametrize("n", [1, 64, 449])
+def test_copy_matches_reference_bytewise_across_dtypes(n, gen):
+    dst, _, src = buffer_set(n, gen)
+    # reinterpret half of the sources as another dtype of the same byte size: copy_ is bytewise
+    src = [s.view(torch.uint8) if i % 2 and s.numel() else s for i, s in enumerate(src)]
+    d_ref = clones(dst)
+    ops.copy_(dst, src)
+    reference.copy_(d_ref, src)
+    assert _bytes_equal(dst, d_ref) and _bytes_equal(dst, src)
+
+
+def test_fingerprint_matches_reference_and_sees_one_bit(gen):
+    bufs, _, _ = buffer_set(40, gen)
+    got = torch.ops.graphctl.fingerprint(bufs)
+    assert torch.equal(got, reference.fingerprint(bufs))
+    nonempty = [b for b in bufs if b.numel()]
+    b = nonempty[0]
+    before = int(torch.ops.graphctl.fingerprint([b])[0])
+    b.view(torch.uint8)[-1] ^= 1
+    assert int(torch.ops.graphctl.fingerprint([b])[0]) != before
+    # position matters: swapping two different words changes the hash
+    w = torch.arange(1, 5, dtype=torch.int64)
+    assert int(torch.ops.graphctl.fingerprint([w])[0]) != int(torch.ops.graphctl.fingerprint([w.flip(0)])[0])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("len_dtype", [torch.int32, torch.int64])
+def test_token_to_request_matches_searchsorted(out_dtype, len_dtype, gen):
+    for _ in range(20):
+        S = int(torch.randint(0, 9, (1,), generator=gen))
+        seq_lens = torch.randint(0, 5, (S,), generator=gen).to(len_dtype)
+        T = int(torch.randint(0, 40, (1,), generator=gen))
+        num = int(torch.randint(0, T + 1, (1,), generator=gen))
+        out = torch.full((T,), -77, dtype=out_dtype)
+        want = torch.full((T,), -77, dtype=out_dtype)
+        torch.ops.graphctl.token_to_request_(out, seq_lens, num, -3)
+        reference.token_to_request_(want, seq_lens, num, -3)
+        assert torch.equal(out, want), (seq_lens, num)
+
+
+def test_op_errors_name_the_entry(gen):
+    a = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"static\[0\] has 16 bytes but arena\[0\] has 12"):
+        torch.ops.graphctl.swap_through_([a], [torch.zeros(3, dtype=torch.int32)], [a])
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.graphctl.copy_([torch.zeros(4, 2)[:, 0]], [torch.zeros(4)])
+    with pytest.raises(RuntimeError, match="partially overlaps"):
+        base = torch.arange(8, dtype=torch.int32)
+        torch.ops.graphctl.swap_through_([base[:4]], [torch.zeros(4, dtype=torch.int32)], [base[2:6]])
+    assert torch.equal(base, torch.arange(8, dtype=torch.int32))  # refused before any write
+
+
+def test_meta_kernels_check_without_data():
+    m = torch.empty(4, device="meta", dtype=torch.int32)
+    torch.ops.graphctl.swap_through_([m], [torch.empty(4, device="meta", dtype=torch.int32)], [m])
+    with pytest.raises(RuntimeError, match="bytes"):
+        torch.ops.graphctl.copy_([m], [torch.empty(3, device="meta", dtype=torch.int32)])
+    assert torch.ops.graphctl.fingerprint([m, m]).shape == (2,)
+
+
+def test_dispatch_mode_sees_one_op_per_call(gen):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    s, a, src = buffer_set(100, gen)
+    with Count() as c:
+        ops.swap_through_(s, a, src)
+        ops.copy_(s, a)
+    assert c.ops == ["graphctl.swap_through_.default", "graphctl.copy_.default"]
