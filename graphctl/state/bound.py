@@ -348,10 +348,16 @@ class BoundState:
         held = sw.resolve.get(name, name) if sw is not None else name
         return self._tensors[held] if name in self._tensors else self._objects[held]
 
-    def _check_bindings(self) -> None:
+    def _check_bindings(self, entering: str | None = None) -> None:
+        # Entering a phase that swaps X accepts X already bound to its twin (a hand-written hook
+        # swapped it): the restore target stays the bind-time original, so a repeated swap can
+        # never record the twin as "the original".
+        twins = self.plan.phases[entering].resolve if entering is not None else {}
         for name in self.plan.buffers:
             want = self._expected_binding(name)
             cur = getattr(self.obj, name, None)
+            if name in twins and cur is self._tensors[twins[name]]:
+                continue
             if cur is not want and not (isinstance(cur, torch.Tensor) and cur.data_ptr() == want.data_ptr()
                                         and cur.shape == want.shape and cur.dtype == want.dtype):
                 found = f"{tuple(cur.shape)} at {cur.data_ptr():#x}" if isinstance(cur, torch.Tensor) else type(cur).__name__
@@ -360,7 +366,10 @@ class BoundState:
                                   fix="static buffers must keep their address: write in place with state.write(), "
                                       "or call graphctl.bind() again after reallocating")
         for name in self.plan.objects:
-            if getattr(self.obj, name, None) is not self._expected_binding(name):
+            cur = getattr(self.obj, name, None)
+            if name in twins and cur is self._objects[twins[name]]:
+                continue
+            if cur is not self._expected_binding(name):
                 raise SwitchError("attribute was rebound behind graphctl's back", buffer=name,
                                   expected="the object bound at bind()", found="another object",
                                   fix="rebind through the spec (Swap) or call graphctl.bind() again")
@@ -565,7 +574,7 @@ class _Switch:
                                     expected="no active switch", found=f"active '{st._active.role}' "
                                     f"({st._active.phase})", fix="exit the active switch first; one switch per state")
         self._check_capture()
-        st._check_bindings()
+        st._check_bindings(entering=self.phase)
         if self.phase != "capture":
             if knobs.check_stale:
                 st.check()
