@@ -61,8 +61,9 @@ def test_built_extension_loads():
 
 
 def test_info_command_runs_and_reports_extension():
-    r = subprocess.run([sys.executable, "-m", "graphctl.cli", "info", "--json"], capture_output=True, text=True,
-                       cwd=ROOT)
+    exe = pathlib.Path(sys.executable).with_name("graphctl")  # the console script pip installed
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "graphctl.cli"]
+    r = subprocess.run(cmd + ["info", "--json"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert data["runtime"]["torch"] and data["extension"]["loaded"] == ops.extension_status().loaded

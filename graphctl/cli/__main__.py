@@ -1,0 +1,5 @@
+import sys
+
+from graphctl.cli import main
+
+sys.exit(main())
