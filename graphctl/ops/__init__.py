@@ -36,7 +36,7 @@ def swap_through_(static: Sequence[torch.Tensor], arena: Sequence[torch.Tensor],
     if not static:  # an empty call has no tensor to dispatch on; nothing to do
         return
     if uses_extension():
-        torch.ops.graphctl.swap_through_(list(static), list(arena), list(source))
+        torch.ops.graphctl.swap_through_(static, arena, source)
     else:
         reference.swap_through_(static, arena, source)
 
@@ -46,7 +46,7 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     if not dst:
         return
     if uses_extension():
-        torch.ops.graphctl.copy_(list(dst), list(src))
+        torch.ops.graphctl.copy_(dst, src)
     else:
         reference.copy_(dst, src)
 
@@ -56,7 +56,7 @@ def fingerprint(bufs: Sequence[torch.Tensor]) -> torch.Tensor:
     if not bufs:
         return torch.empty(0, dtype=torch.int64)
     if uses_extension():
-        return torch.ops.graphctl.fingerprint(list(bufs))
+        return torch.ops.graphctl.fingerprint(bufs)
     return reference.fingerprint(bufs)
 
 

@@ -101,6 +101,7 @@ class BoundState:
         self._poisoned: tuple[str, ...] | None = None
         self._fault_hook: FaultHook | None = None
         self._scratch: dict[str, torch.Tensor] = {}
+        self._step_cache: dict[str, tuple[_Step, ...]] = {}
         self._tensors: dict[str, torch.Tensor] = {}
         self._objects: dict[str, Any] = {}
         self._dim_source: dict[str, str] = {}
@@ -388,26 +389,38 @@ class BoundState:
                               fix="the target role is the bound state itself; switch('draft', ...) enters the draft")
         return _Switch(self, role, self._phase(phase))
 
-    def _steps(self, phase: str) -> list[_Step]:
-        pp = self.plan.phases[phase]
-        steps = [self._snapshot_step(g) for g in self._groups[phase]]
-        for name, twin in pp.swaps:
-            steps.append(self._rebind_step(name, twin))
-        steps.extend(self._recompute_step(n) for n in pp.recompute)
+    def _steps(self, phase: str) -> tuple[_Step, ...]:
+        # Built once per phase (the first switch in it) and reused: a switch creates no closures.
+        steps = self._step_cache.get(phase)
+        if steps is None:
+            pp = self.plan.phases[phase]
+            steps = tuple([self._snapshot_step(g) for g in self._groups[phase]]
+                          + [self._rebind_step(name, twin) for name, twin in pp.swaps]
+                          + [self._recompute_step(n) for n in pp.recompute])
+            self._step_cache[phase] = steps
         return steps
 
     def _snapshot_step(self, g: _Group) -> _Step:
+        statics, arenas = list(g.statics), list(g.arenas)
+        validated: dict[int, Any] = {}  # copy index -> the source object last checked
+
+        def use_error(name, what, expected, found, fix):
+            return SwitchError(what, buffer=name, expected=expected, found=found, fix=fix)
+
         def apply() -> None:
-            sources = list(g.statics)
-            for i, name, act in g.copies:
-                src = act.source(self.obj) if callable(act.source) else getattr(self.obj, act.source)
-                self._check_source(name, src, "source", lambda *a: SwitchError(a[1], buffer=a[0], expected=a[2],
-                                                                               found=a[3], fix=a[4]))
-                sources[i] = src
-            ops.swap_through_(g.statics, g.arenas, sources)
+            sources = statics
+            if g.copies:
+                sources = statics.copy()
+                for i, name, act in g.copies:
+                    src = act.source(self.obj) if callable(act.source) else getattr(self.obj, act.source)
+                    if validated.get(i) is not src:  # the same tensor object as last time needs no re-check
+                        self._check_source(name, src, "source", use_error)
+                        validated[i] = src
+                    sources[i] = src
+            ops.swap_through_(statics, arenas, sources)
 
         def undo() -> None:
-            ops.copy_(g.statics, g.arenas)
+            ops.copy_(statics, arenas)
 
         return _Step(f"snapshot[{g.device}]({', '.join(g.names)})", apply, undo)
 

@@ -1,0 +1,274 @@
+"""Cost of one target->draft switch (apply + restore) for a DSA-class buffer set, side by side:
+
+  (a) hand-written hooks, TensorRT-LLM style: clone each buffer, copy draft values in, clamp,
+      rebuild req_idx_per_token with torch ops, copy every clone back;
+  (b) torch._foreach_copy_ into a preallocated snapshot (one call per dtype group and direction);
+  (c) the graphctl switch, eager;
+  (d) the graphctl switch recorded inside a CUDA graph (replay time), next to (b) recorded in a graph.
+
+Plus large-buffer bandwidth: swap_through_ against a plain copy_ of the bytes it must move.
+Sizes from shared/reference/trtllm.md §4. Run on the GPU machine:
+
+    python bench/switch_cost.py [--reps 200] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import graphctl
+from graphctl import CopyInPlace, Pad, Recompute, Registry, StateSpec, ops
+
+CONFIGS = {"S128-B73-T8448-D3": (128, 73, 8448, 3), "S256-B2048-T16384-D3": (256, 2048, 16384, 3)}
+
+# name -> (shape in terms of S, B, T, D; dtype; host mirror)
+BUFFERS = {
+    "indexer_k_cache_block_offsets": (lambda S, B, T, D: (S, B), torch.int32, False),
+    "host_indexer_k_cache_block_offsets": (lambda S, B, T, D: (S, B), torch.int32, True),
+    "slot_mapping_fp8": (lambda S, B, T, D: (T,), torch.int64, False),
+    "slot_mapping_scale": (lambda S, B, T, D: (T,), torch.int64, False),
+    "block_table": (lambda S, B, T, D: (S, B), torch.int32, False),
+    "block_table_expanded": (lambda S, B, T, D: (S * (1 + D), B), torch.int32, False),
+    "host_block_table_expanded": (lambda S, B, T, D: (S * (1 + D), B), torch.int32, True),
+    "seq_lens": (lambda S, B, T, D: (S,), torch.int32, False),
+    "host_req_idx_per_token": (lambda S, B, T, D: (T,), torch.int32, True),
+}
+
+
+def token_map(out, seq_lens):
+    ops.token_to_request_(out, seq_lens, out.numel(), 0)
+
+
+class DSABench:
+    def __init__(self, S, B, T, D, dev):
+        g = torch.Generator().manual_seed(0)
+        for name, (shape, dtype, host) in BUFFERS.items():
+            sh = shape(S, B, T, D)
+            t = torch.randint(0, 1000, sh, generator=g, dtype=dtype)
+            src = torch.randint(-5, 1000, sh, generator=g, dtype=dtype).clamp_(min=0)  # draft values, valid
+            setattr(self, name, t.pin_memory() if host else t.to(dev))
+            setattr(self, "draft_src_" + name, src.pin_memory() if host else src.to(dev))
+        self.seq_lens.fill_(1 + D)
+        self.draft_src_seq_lens.fill_(1)
+        self.req_idx_per_token = torch.empty(T, dtype=torch.int32, device=dev)
+        token_map(self.req_idx_per_token, self.seq_lens)
+
+
+def make_spec():
+    spec = StateSpec("bench-dsa")
+    for name, (_, dtype, host) in BUFFERS.items():
+        axis = {"axis": "seq", "pad": Pad.zero()} if name == "seq_lens" else {}
+        spec.buffer(name, dtype=dtype, host=host, draft=CopyInPlace(source="draft_src_" + name), **axis)
+    spec.buffer("req_idx_per_token", dtype=torch.int32, derive=Recompute(["seq_lens"], token_map))
+    return spec
+
+
+def hand_written(m, names):
+    """TensorRT-LLM-style prepare/restore: clones, copies, clamps, host-side map rebuild, copy back."""
+    saved = {n: getattr(m, n).clone() for n in names + ["req_idx_per_token"]}
+    for n in names:
+        buf = getattr(m, n)
+        buf.copy_(getattr(m, "draft_src_" + n), non_blocking=True)
+        buf.clamp_(min=0)
+    cum = torch.cumsum(m.seq_lens.to(torch.int64), 0)
+    t = torch.arange(m.req_idx_per_token.numel(), device=m.seq_lens.device)
+    m.req_idx_per_token.copy_(torch.searchsorted(cum, t, right=True))
+    for n, v in saved.items():
+        getattr(m, n).copy_(v, non_blocking=True)
+
+
+class ForeachBaseline:
+    """Preallocated snapshot with torch._foreach_copy_, grouped by (device, dtype)."""
+
+    def __init__(self, m, names):
+        self.m = m
+        groups = {}
+        for n in names + ["req_idx_per_token"]:
+            t = getattr(m, n)
+            groups.setdefault((t.device, t.dtype), []).append(n)
+        self.groups = []
+        for _, ns in groups.items():
+            statics = [getattr(m, n) for n in ns]
+            snaps = [torch.empty_like(t) for t in statics]
+            srcs = [getattr(m, "draft_src_" + n) if n != "req_idx_per_token" else getattr(m, n) for n in ns]
+            self.groups.append((statics, snaps, srcs))
+
+    def __call__(self):
+        for statics, snaps, srcs in self.groups:
+            torch._foreach_copy_(snaps, statics)
+            torch._foreach_copy_(statics, srcs)
+        token_map(self.m.req_idx_per_token, self.m.seq_lens)
+        for statics, snaps, _ in self.groups:
+            torch._foreach_copy_(statics, snaps)
+
+
+def time_host(fn, reps, warmup=20):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def capture(fn):
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g, stream=s):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def time_graph(g, reps, warmup=20):
+    for _ in range(warmup):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(reps):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def count_launches(fn):
+    """(kernels, memcpys, allocations) for one call, from the profiler and allocator stats."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    a0 = torch.cuda.memory_stats()["allocation.all.allocated"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    a1 = torch.cuda.memory_stats()["allocation.all.allocated"]
+    kernels = memcpys = 0
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if "memcpy" in ev.name.lower() or "memset" in ev.name.lower():
+            memcpys += 1
+        else:
+            kernels += 1
+    return kernels, memcpys, a1 - a0
+
+
+def run_config(label, S, B, T, D, reps):
+    dev = torch.device("cuda")
+    m = DSABench(S, B, T, D, dev)
+    reg = Registry()
+    reg.register(DSABench, make_spec())
+    st = graphctl.bind(m, registry=reg)
+    names = list(BUFFERS)
+    before = {n: getattr(m, n).clone() for n in names + ["req_idx_per_token"]}
+    nbytes = st.snapshot_bytes("eager")
+
+    def gc_switch():
+        with st.switch("draft", "eager"):
+            pass
+
+    def gc_capture_switch():
+        with st.switch("draft", "capture"):
+            pass
+
+    fe = ForeachBaseline(m, names)
+    # device-only variants for graphs (host copies are not recorded by a graph)
+    dev_names = [n for n in names if not BUFFERS[n][2]]
+    fe_dev = ForeachBaseline(m, dev_names)
+
+    row = {"config": label, "snapshot_bytes": nbytes}
+    row["a_handwritten_us"] = time_host(lambda: hand_written(m, names), reps)
+    row["b_foreach_us"] = time_host(fe, reps)
+    row["c_graphctl_eager_us"] = time_host(gc_switch, reps)
+    for key, fn in (("a", lambda: hand_written(m, names)), ("b", fe), ("c", gc_switch)):
+        k, c, a = count_launches(fn)
+        row[f"{key}_kernels"], row[f"{key}_memcpys"], row[f"{key}_allocs"] = k, c, a
+    g_gc = capture(gc_capture_switch)
+    g_fe = capture(fe_dev)
+    row["d_graphctl_graph_us"] = time_graph(g_gc, reps)
+    row["b_foreach_graph_us"] = time_graph(g_fe, reps)
+    for n, v in before.items():
+        assert torch.equal(getattr(m, n), v), f"{label}: {n} not restored"
+    row["a_over_c"] = row["a_handwritten_us"] / row["c_graphctl_eager_us"]
+    row["bgraph_over_d"] = row["b_foreach_graph_us"] / row["d_graphctl_graph_us"]
+    return row
+
+
+def bandwidth(reps, total_mib=512, nbuf=16):
+    n = total_mib * 2**20 // nbuf // 4
+    statics = [torch.randint(0, 2**30, (n,), dtype=torch.int32, device="cuda") for _ in range(nbuf)]
+    arenas = [torch.empty_like(t) for t in statics]
+    sources = [torch.randint(0, 2**30, (n,), dtype=torch.int32, device="cuda") for _ in range(nbuf)]
+    flat_src = torch.randint(0, 2**30, (nbuf * n,), dtype=torch.int32, device="cuda")
+    flat_dst = torch.empty_like(flat_src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed(fn):
+        for _ in range(5):
+            fn()
+        ts = []
+        for _ in range(reps):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ts.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(ts)
+
+    data = nbuf * n * 4
+    t_swap = timed(lambda: ops.swap_through_(statics, arenas, sources))  # reads 2x, writes 2x
+    t_copy = timed(lambda: flat_dst.copy_(flat_src))  # reads 1x, writes 1x
+    bw_swap = 4 * data / t_swap / 1e9
+    bw_copy = 2 * data / t_copy / 1e9
+    return {"total_mib": total_mib, "buffers": nbuf, "swap_through_GBps": bw_swap, "copy_GBps": bw_copy,
+            "ratio": bw_swap / bw_copy}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from rich.console import Console
+    from rich.table import Table
+
+    props = torch.cuda.get_device_properties(0)
+    hw = {"gpu": props.name, "torch": torch.__version__, "cuda": torch.version.cuda,
+          "extension": ops.extension_status().loaded and ops.extension_status().with_cuda}
+    rows = [run_config(k, *v, reps=args.reps) for k, v in CONFIGS.items()]
+    bw = bandwidth(max(20, args.reps // 10))
+    con = Console(width=200)
+    con.print(f"{hw['gpu']}, torch {hw['torch']} (CUDA {hw['cuda']}), graphctl._C CUDA: {hw['extension']}")
+    t = Table(title="one switch (apply + restore), median us")
+    cols = ["config", "snapshot_bytes", "a_handwritten_us", "b_foreach_us", "c_graphctl_eager_us", "a_over_c",
+            "b_foreach_graph_us", "d_graphctl_graph_us", "bgraph_over_d", "a_kernels", "a_memcpys", "a_allocs",
+            "b_kernels", "b_memcpys", "b_allocs", "c_kernels", "c_memcpys", "c_allocs"]
+    for c in cols:
+        t.add_column(c.replace("_", " "), justify="right")
+    for r in rows:
+        t.add_row(*(f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+    con.print(t)
+    con.print(f"bandwidth, {bw['total_mib']} MiB in {bw['buffers']} buffers: swap_through_ {bw['swap_through_GBps']:.0f} "
+              f"GB/s vs copy_ {bw['copy_GBps']:.0f} GB/s (ratio {bw['ratio']:.3f}; bytes counted: reads + writes)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hardware": hw, "rows": rows, "bandwidth": bw}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
