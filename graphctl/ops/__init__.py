@@ -35,6 +35,8 @@ def swap_through_(static: Sequence[torch.Tensor], arena: Sequence[torch.Tensor],
     An entry whose ``source`` is its ``static`` buffer is a snapshot only."""
     if not static:  # an empty call has no tensor to dispatch on; nothing to do
         return
+    reference.check_pair("swap_through_", static, "static", arena, "arena")
+    reference.check_pair("swap_through_", static, "static", source, "source")
     if uses_extension():
         torch.ops.graphctl.swap_through_(static, arena, source)
     else:
@@ -45,6 +47,7 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """Restore direction: ``dst[i] = src[i]`` bytewise, all buffers in one call."""
     if not dst:
         return
+    reference.check_pair("copy_", dst, "dst", src, "src")
     if uses_extension():
         torch.ops.graphctl.copy_(dst, src)
     else:

@@ -22,20 +22,28 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _check_pair(op: str, a: Sequence[torch.Tensor], an: str, b: Sequence[torch.Tensor], bn: str) -> None:
+def check_pair(op: str, a: Sequence[torch.Tensor], an: str, b: Sequence[torch.Tensor], bn: str) -> None:
+    """The checks every backend of ``op`` makes, raised as ``ValueError`` naming the entry:
+    equal list lengths, equal byte sizes, dense tensors, one device per call."""
     if len(a) != len(b):
         raise ValueError(f"graphctl::{op}: {an} has {len(a)} tensors but {bn} has {len(b)}")
+    dev = a[0].device if a else None
     for i, (x, y) in enumerate(zip(a, b)):
         nx, ny = x.numel() * x.element_size(), y.numel() * y.element_size()
         if nx != ny:
             raise ValueError(f"graphctl::{op}: {an}[{i}] has {nx} bytes but {bn}[{i}] has {ny} bytes")
+        if not (x.is_contiguous() and y.is_contiguous()):
+            raise ValueError(f"graphctl::{op}: {an}[{i}] and {bn}[{i}] must be contiguous")
+        if x.device != dev or y.device != dev:
+            raise ValueError(f"graphctl::{op}: all tensors must be on one device ({an}[0] is on {dev}, "
+                             f"{an}[{i}] on {x.device}, {bn}[{i}] on {y.device}); call once per device")
 
 
 def swap_through_(static: Sequence[torch.Tensor], arena: Sequence[torch.Tensor],
                   source: Sequence[torch.Tensor]) -> None:
     """For every i: ``arena[i] = static[i]`` then ``static[i] = source[i]``, bytewise."""
-    _check_pair("swap_through_", static, "static", arena, "arena")
-    _check_pair("swap_through_", static, "static", source, "source")
+    check_pair("swap_through_", static, "static", arena, "arena")
+    check_pair("swap_through_", static, "static", source, "source")
     for s, a, src in zip(static, arena, source):
         if s.numel() == 0:
             continue
@@ -46,7 +54,7 @@ def swap_through_(static: Sequence[torch.Tensor], arena: Sequence[torch.Tensor],
 
 def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """For every i: ``dst[i] = src[i]``, bytewise, any dtypes of equal byte size."""
-    _check_pair("copy_", dst, "dst", src, "src")
+    check_pair("copy_", dst, "dst", src, "src")
     for d, s in zip(dst, src):
         if d.numel() and d.data_ptr() != s.data_ptr():
             _bytes(d).copy_(_bytes(s))

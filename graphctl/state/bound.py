@@ -154,7 +154,8 @@ class BoundState:
             self.device = dev
         if self.device.type == "cuda":
             for name, d in plan.buffers.items():
-                if d.host and not self._tensors[name].is_pinned():
+                t = self._tensors[name]
+                if d.host and t.numel() and not t.is_pinned():  # an empty tensor never reports pinned
                     raise self._err(name, "host buffer is not pinned", "pinned memory", "pageable memory",
                                     "allocate with pin_memory=True so copies are asynchronous")
         for name in plan.objects:

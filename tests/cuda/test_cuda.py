@@ -190,6 +190,8 @@ def test_state_machine_on_cuda_with_host_mirrors():
     from graphctl.testing import SwitchMachine, cases
 
     class CudaMachine(SwitchMachine):
+        phases = ("eager", "replay")
+
         def draw_case(self, data):
             return data.draw(cases(device="cuda"))
 
