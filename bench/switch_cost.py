@@ -182,8 +182,8 @@ def run_config(label, S, B, T, D, reps):
         with st.switch("draft", "eager"):
             pass
 
-    def gc_capture_switch():
-        with st.switch("draft", "capture"):
+    def gc_capture_switch():  # eager while capture() warms up, then recorded
+        with st.switch("draft", "capture" if torch.cuda.is_current_stream_capturing() else "eager"):
             pass
 
     fe = ForeachBaseline(m, names)

@@ -40,7 +40,7 @@ def _graph_nodes(fn) -> dict[str, int]:
     counts: dict[str, int] = {}
     for node in nodes[:n]:
         err, kind = rt.cudaGraphNodeGetType(node)
-        name = str(kind).split(".")[-1].replace("cudaGraphNodeType", "")
+        name = kind.name.replace("cudaGraphNodeType", "")
         counts[name] = counts.get(name, 0) + 1
     return counts
 
