@@ -77,14 +77,17 @@ __global__ void __launch_bounds__(kThreads) swap_copy_kernel(const __grid_consta
         int64_t i = threadIdx.x + k * kThreads;
         if (i < nvec) {
           a[k] = reinterpret_cast<const uint4*>(mid)[i];
-          if (apply) b[k] = reinterpret_cast<const uint4*>(src)[i];
+          if (apply) b[k] = __ldcs(reinterpret_cast<const uint4*>(src) + i);  // read once
         }
       }
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         int64_t i = threadIdx.x + k * kThreads;
         if (i < nvec) {
-          reinterpret_cast<uint4*>(dst)[i] = a[k];
+          // The arena is read again only by the restore: stream it past L2 (evict-first) so the
+          // static buffers, which the next kernels read, keep the cache.
+          if (kSwap) __stcs(reinterpret_cast<uint4*>(dst) + i, a[k]);
+          else reinterpret_cast<uint4*>(dst)[i] = a[k];
           if (apply) reinterpret_cast<uint4*>(mid)[i] = b[k];
         }
       }

@@ -29,25 +29,29 @@ def uses_extension() -> bool:
 
 
 def swap_through_(static: Sequence[torch.Tensor], arena: Sequence[torch.Tensor],
-                  source: Sequence[torch.Tensor]) -> None:
+                  source: Sequence[torch.Tensor], *, validate: bool = True) -> None:
     """Snapshot and apply in one pass: ``arena[i] = static[i]; static[i] = source[i]``.
 
-    An entry whose ``source`` is its ``static`` buffer is a snapshot only."""
+    An entry whose ``source`` is its ``static`` buffer is a snapshot only. ``validate=False``
+    skips the Python-side argument checks (the state layer checked everything at bind; the C++
+    kernels still check)."""
     if not static:  # an empty call has no tensor to dispatch on; nothing to do
         return
-    reference.check_pair("swap_through_", static, "static", arena, "arena")
-    reference.check_pair("swap_through_", static, "static", source, "source")
+    if validate:
+        reference.check_pair("swap_through_", static, "static", arena, "arena")
+        reference.check_pair("swap_through_", static, "static", source, "source")
     if uses_extension():
         torch.ops.graphctl.swap_through_(static, arena, source)
     else:
         reference.swap_through_(static, arena, source)
 
 
-def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], *, validate: bool = True) -> None:
     """Restore direction: ``dst[i] = src[i]`` bytewise, all buffers in one call."""
     if not dst:
         return
-    reference.check_pair("copy_", dst, "dst", src, "src")
+    if validate:
+        reference.check_pair("copy_", dst, "dst", src, "src")
     if uses_extension():
         torch.ops.graphctl.copy_(dst, src)
     else:

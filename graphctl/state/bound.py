@@ -418,10 +418,10 @@ class BoundState:
                         self._check_source(name, src, "source", use_error)
                         validated[i] = src
                     sources[i] = src
-            ops.swap_through_(statics, arenas, sources)
+            ops.swap_through_(statics, arenas, sources, validate=False)  # checked at bind
 
         def undo() -> None:
-            ops.copy_(statics, arenas)
+            ops.copy_(statics, arenas, validate=False)
 
         return _Step(f"snapshot[{g.device}]({', '.join(g.names)})", apply, undo)
 

@@ -139,3 +139,16 @@ def test_dispatch_mode_sees_one_op_per_call(gen):
         ops.swap_through_(s, a, src)
         ops.copy_(s, a)
     assert c.ops == ["graphctl.swap_through_.default", "graphctl.copy_.default"]
+
+
+def test_multithreaded_host_copies_match_reference(gen):
+    # Buffers past 2 MiB are split across threads by byte ranges; odd sizes end mid-piece.
+    sizes = [(5 << 20) + 3, 1 << 18, (3 << 20) + 17]
+    statics = [torch.randint(0, 255, (n,), generator=gen, dtype=torch.uint8) for n in sizes]
+    sources = [torch.randint(0, 255, (n,), generator=gen, dtype=torch.uint8) for n in sizes]
+    arenas = [torch.full((n,), 7, dtype=torch.uint8) for n in sizes]
+    want_arena, want_static = clones(statics), clones(sources)
+    ops.swap_through_(statics, arenas, sources)
+    assert _bytes_equal(arenas, want_arena) and _bytes_equal(statics, want_static)
+    ops.copy_(statics, arenas)
+    assert _bytes_equal(statics, want_arena)
