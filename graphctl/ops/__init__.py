@@ -23,9 +23,13 @@ def extension_status() -> ExtensionStatus:
     return STATUS
 
 
+_LOADED = STATUS.loaded
+_KNOBS = knobs._values  # a plain dict lookup: this runs twice per switch
+
+
 def uses_extension() -> bool:
     """True when calls go to ``graphctl._C`` (loaded and not disabled by a knob scope)."""
-    return STATUS.loaded and not knobs.no_extension
+    return _LOADED and not _KNOBS["no_extension"]
 
 
 def swap_through_(static: Sequence[torch.Tensor], arena: Sequence[torch.Tensor],

@@ -107,6 +107,7 @@ class BoundState:
         self._dim_source: dict[str, str] = {}
         self.device = torch.device("cpu")
         self._validate()
+        self._manifest = tuple(list(self._tensors.items()) + list(self._objects.items()))
         self._aliases = self._bind_aliases()
         self._arena = self._allocate_arenas()
         self._groups = {p: self._make_groups(p) for p in PHASES}
@@ -351,13 +352,21 @@ class BoundState:
         return self._tensors[held] if name in self._tensors else self._objects[held]
 
     def _check_bindings(self, entering: str | None = None) -> None:
-        # Entering a phase that swaps X accepts X already bound to its twin (a hand-written hook
-        # swapped it): the restore target stays the bind-time original, so a repeated swap can
-        # never record the twin as "the original".
+        # Fast path, run on every switch: every attribute is exactly the bind-time object.
+        obj = self.obj
+        if self._active is None:
+            for name, want in self._manifest:
+                if getattr(obj, name, None) is not want:
+                    break
+            else:
+                return
+        # Slow path: name the offender. Entering a phase that swaps X accepts X already bound to
+        # its twin (a hand-written hook swapped it): the restore target stays the bind-time
+        # original, so a repeated swap can never record the twin as "the original".
         twins = self.plan.phases[entering].resolve if entering is not None else {}
         for name in self.plan.buffers:
             want = self._expected_binding(name)
-            cur = getattr(self.obj, name, None)
+            cur = getattr(obj, name, None)
             if name in twins and cur is self._tensors[twins[name]]:
                 continue
             if cur is not want and not (isinstance(cur, torch.Tensor) and cur.data_ptr() == want.data_ptr()
@@ -368,7 +377,7 @@ class BoundState:
                                   fix="static buffers must keep their address: write in place with state.write(), "
                                       "or call graphctl.bind() again after reallocating")
         for name in self.plan.objects:
-            cur = getattr(self.obj, name, None)
+            cur = getattr(obj, name, None)
             if name in twins and cur is self._objects[twins[name]]:
                 continue
             if cur is not self._expected_binding(name):
