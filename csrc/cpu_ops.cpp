@@ -1,6 +1,5 @@
 // CPU kernels: plain memcpy loops over raw bytes. These also serve pinned host mirrors, so a
 // switch copies all of its host buffers in one call rather than one Python call per buffer.
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -12,22 +11,18 @@
 namespace graphctl {
 namespace {
 
-// Large host mirrors (8 MiB block tables) are copied by many threads, as torch's own copy_ does;
-// small ones stay on the calling thread. Work is split into (buffer, byte range) pieces.
-constexpr int64_t kPiece = 1 << 18;
+// Large host mirrors (8 MiB block tables) go through torch's own CPU copy, which libtorch runs
+// on all intra-op threads; small ones are one memcpy on the calling thread (no dispatch).
+constexpr int64_t kThreadedBytes = 1 << 20;
 
-template <typename F>
-void parallel_pieces(const std::vector<int64_t>& nbytes, F body) {
-  std::vector<int64_t> start(nbytes.size() + 1, 0);
-  for (size_t i = 0; i < nbytes.size(); ++i) start[i + 1] = start[i] + (nbytes[i] + kPiece - 1) / kPiece;
-  at::parallel_for(0, start.back(), 8, [&](int64_t lo, int64_t hi) {  // >= 2 MiB per thread
-    size_t b = std::upper_bound(start.begin(), start.end(), lo) - start.begin() - 1;
-    for (int64_t p = lo; p < hi; ++p) {
-      while (p >= start[b + 1]) ++b;
-      int64_t off = (p - start[b]) * kPiece;
-      body(b, off, std::min(kPiece, nbytes[b] - off));
-    }
-  });
+at::Tensor flat_bytes(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
+
+void copy_bytes(const at::Tensor& dst, const at::Tensor& src, int64_t n) {
+  if (n >= kThreadedBytes) {
+    flat_bytes(dst).copy_(flat_bytes(src));
+  } else {
+    std::memmove(dst.data_ptr(), src.const_data_ptr(), n);
+  }
 }
 
 void check_cpu(at::TensorList l, const char* op) {
@@ -52,26 +47,22 @@ void swap_through_cpu(at::TensorList stat, at::TensorList arena, at::TensorList 
     TORCH_CHECK(n == 0 || !(a < s + n && s < a + n), "graphctl::swap_through_: arena[", i,
                 "] overlaps static[", i, "]");
   }
-  std::vector<int64_t> nbytes(stat.size());
-  for (size_t i = 0; i < stat.size(); ++i) nbytes[i] = stat[i].numel() * stat[i].element_size();
-  parallel_pieces(nbytes, [&](size_t i, int64_t off, int64_t n) {
-    char* s = static_cast<char*>(stat[i].data_ptr());
-    const char* src = static_cast<const char*>(source[i].const_data_ptr());
-    std::memcpy(static_cast<char*>(arena[i].data_ptr()) + off, s + off, n);
-    if (src != s) std::memcpy(s + off, src + off, n);
-  });
+  for (size_t i = 0; i < stat.size(); ++i) {
+    int64_t n = stat[i].numel() * stat[i].element_size();
+    if (n == 0) continue;
+    copy_bytes(arena[i], stat[i], n);
+    if (source[i].const_data_ptr() != stat[i].const_data_ptr()) copy_bytes(stat[i], source[i], n);
+  }
 }
 
 void copy_cpu(at::TensorList dst, at::TensorList src) {
   check_lists("copy_", dst, "dst", src, "src");
   check_cpu(dst, "copy_");
-  std::vector<int64_t> nbytes(dst.size());
   for (size_t i = 0; i < dst.size(); ++i) {
-    nbytes[i] = dst[i].data_ptr() == src[i].const_data_ptr() ? 0 : dst[i].numel() * dst[i].element_size();
+    int64_t n = dst[i].numel() * dst[i].element_size();
+    if (n == 0 || dst[i].data_ptr() == src[i].const_data_ptr()) continue;
+    copy_bytes(dst[i], src[i], n);
   }
-  parallel_pieces(nbytes, [&](size_t i, int64_t off, int64_t n) {
-    std::memmove(static_cast<char*>(dst[i].data_ptr()) + off, static_cast<const char*>(src[i].const_data_ptr()) + off, n);
-  });
 }
 
 at::Tensor fingerprint_cpu(at::TensorList bufs) {

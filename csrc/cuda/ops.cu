@@ -143,8 +143,10 @@ int sm_count() {
 }
 
 int grid_for(int64_t tiles) {
+  // One block per tile up to 64 blocks an SM (a 1 GiB switch), then blocks loop: a grid capped
+  // at 8 blocks an SM reached only ~78% of torch's copy_ bandwidth on an H200.
   static const int sms = sm_count();  // one device kind per process in practice; only sizes the grid
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t(sms) * 8)));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(tiles, int64_t(sms) * 64)));
 }
 
 void check_cuda(at::TensorList l, const char* op) {
