@@ -99,17 +99,8 @@ void token_to_request_impl(O* out, int64_t out_n, const S* lens, int64_t n_seq, 
 }
 
 void token_to_request_cpu(at::Tensor& out, const at::Tensor& seq_lens, int64_t num_tokens, int64_t pad_value) {
-  TORCH_CHECK(out.device().is_cpu() && seq_lens.device().is_cpu(),
-              "graphctl::token_to_request_ CPU kernel got out on ", out.device(), " and seq_lens on ",
-              seq_lens.device());
-  TORCH_CHECK(out.is_contiguous() && seq_lens.is_contiguous(),
-              "graphctl::token_to_request_: out and seq_lens must be contiguous");
-  TORCH_CHECK(num_tokens >= 0 && num_tokens <= out.numel(), "graphctl::token_to_request_: num_tokens=",
-              num_tokens, " must be in [0, out.numel()=", out.numel(), "]");
-  TORCH_CHECK(out.scalar_type() == at::kInt || out.scalar_type() == at::kLong,
-              "graphctl::token_to_request_: out must be int32 or int64, found ", out.scalar_type());
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong,
-              "graphctl::token_to_request_: seq_lens must be int32 or int64, found ", seq_lens.scalar_type());
+  TORCH_CHECK(out.device().is_cpu(), "graphctl::token_to_request_ CPU kernel got out on ", out.device());
+  check_token_to_request(out, seq_lens, num_tokens);
   AT_DISPATCH_INDEX_TYPES(out.scalar_type(), "token_to_request_out", [&] {
     using O = index_t;
     AT_DISPATCH_INDEX_TYPES(seq_lens.scalar_type(), "token_to_request_lens", [&] {

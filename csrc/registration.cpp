@@ -22,6 +22,19 @@ void check_lists(const char* op, at::TensorList a, const char* an, at::TensorLis
   }
 }
 
+void check_token_to_request(const at::Tensor& out, const at::Tensor& seq_lens, int64_t num_tokens) {
+  TORCH_CHECK(out.device() == seq_lens.device(), "graphctl::token_to_request_: out is on ", out.device(),
+              " but seq_lens on ", seq_lens.device());
+  TORCH_CHECK(out.is_contiguous() && seq_lens.is_contiguous(),
+              "graphctl::token_to_request_: out and seq_lens must be contiguous");
+  TORCH_CHECK(num_tokens >= 0 && num_tokens <= out.numel(), "graphctl::token_to_request_: num_tokens=",
+              num_tokens, " must be in [0, out.numel()=", out.numel(), "]");
+  TORCH_CHECK(out.scalar_type() == at::kInt || out.scalar_type() == at::kLong,
+              "graphctl::token_to_request_: out must be int32 or int64, found ", out.scalar_type());
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong,
+              "graphctl::token_to_request_: seq_lens must be int32 or int64, found ", seq_lens.scalar_type());
+}
+
 namespace {
 
 void swap_through_meta(at::TensorList stat, at::TensorList arena, at::TensorList source) {
@@ -36,8 +49,7 @@ at::Tensor fingerprint_meta(at::TensorList bufs) {
 }
 
 void token_to_request_meta(at::Tensor& out, const at::Tensor& seq_lens, int64_t num_tokens, int64_t pad_value) {
-  TORCH_CHECK(num_tokens >= 0 && num_tokens <= out.numel(), "graphctl::token_to_request_: num_tokens=",
-              num_tokens, " must be in [0, out.numel()=", out.numel(), "]");
+  check_token_to_request(out, seq_lens, num_tokens);
 }
 
 }  // namespace

@@ -294,16 +294,8 @@ __global__ void __launch_bounds__(1024) token_to_request_kernel(O* out, int64_t 
 }
 
 void token_to_request_cuda(at::Tensor& out, const at::Tensor& seq_lens, int64_t num_tokens, int64_t pad_value) {
-  TORCH_CHECK(out.is_cuda() && seq_lens.device() == out.device(), "graphctl::token_to_request_: out (",
-              out.device(), ") and seq_lens (", seq_lens.device(), ") must be on one CUDA device");
-  TORCH_CHECK(out.is_contiguous() && seq_lens.is_contiguous(),
-              "graphctl::token_to_request_: out and seq_lens must be contiguous");
-  TORCH_CHECK(num_tokens >= 0 && num_tokens <= out.numel(), "graphctl::token_to_request_: num_tokens=",
-              num_tokens, " must be in [0, out.numel()=", out.numel(), "]");
-  TORCH_CHECK(out.scalar_type() == at::kInt || out.scalar_type() == at::kLong,
-              "graphctl::token_to_request_: out must be int32 or int64, found ", out.scalar_type());
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong,
-              "graphctl::token_to_request_: seq_lens must be int32 or int64, found ", seq_lens.scalar_type());
+  TORCH_CHECK(out.is_cuda(), "graphctl::token_to_request_ CUDA kernel got out on ", out.device());
+  check_token_to_request(out, seq_lens, num_tokens);
   const int64_t n_seq = seq_lens.numel();
   const int threads = 1024;
   const size_t shm = (n_seq + threads) * sizeof(int64_t);

@@ -22,17 +22,17 @@ import torch
 
 from graphctl import ops
 from graphctl.debug import knobs
-from graphctl.errors import BindError, CorruptedStateError, NestedSwitchError, StaleBufferError, SwitchError
+from graphctl.errors import BindError, CorruptedStateError, StaleBufferError, SwitchError
 from graphctl.state.plan import PHASES, Plan, compile_spec
 from graphctl.state.registry import Registry, default_registry
 from graphctl.state.spec import BufferDecl, CopyInPlace
+from graphctl.state.transaction import FaultHook, Switch, Step
 
 __all__ = ["bind", "BoundState", "ROLES"]
 
 ROLES = ("draft",)
 _ALIGN = 64  # arena slots start on 64-byte boundaries (typed views and vector loads need it)
 
-FaultHook = Callable[[str, str, str], None]  # (stage, step, "before"|"after")
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -51,16 +51,6 @@ def bind(obj: Any, *, registry: Registry | None = None, dims: Mapping[str, int] 
     """Bind ``obj`` to the spec registered for its type (see :class:`BoundState`)."""
     spec = (registry or default_registry).lookup(type(obj))
     return BoundState(obj, compile_spec(spec), dims=dims)
-
-
-class _Step:
-    """One reversible piece of a switch. ``apply`` and ``undo`` may raise; the transaction
-    records a step as applied only after ``apply`` returned."""
-
-    __slots__ = ("name", "apply", "undo")
-
-    def __init__(self, name: str, apply: Callable[[], None], undo: Callable[[], None]) -> None:
-        self.name, self.apply, self.undo = name, apply, undo
 
 
 class _Group:
@@ -97,11 +87,11 @@ class BoundState:
         self.obj = obj
         self.plan = plan
         self.dims: dict[str, int] = dict(dims or {})
-        self._active: _Switch | None = None
+        self._active: Switch | None = None
         self._poisoned: tuple[str, ...] | None = None
         self._fault_hook: FaultHook | None = None
         self._scratch: dict[str, torch.Tensor] = {}
-        self._step_cache: dict[str, tuple[_Step, ...]] = {}
+        self._step_cache: dict[str, tuple[Step, ...]] = {}
         self._tensors: dict[str, torch.Tensor] = {}
         self._objects: dict[str, Any] = {}
         self._dim_source: dict[str, str] = {}
@@ -391,15 +381,15 @@ class BoundState:
 
     # ------------------------------------------------------------------------ the switch
 
-    def switch(self, role: str, phase: str = "eager") -> "_Switch":
+    def switch(self, role: str, phase: str = "eager") -> "Switch":
         """Context manager: enter ``role`` (``"draft"``) for ``phase`` (``eager``, ``capture``,
         ``replay``) and restore everything on exit. See the module docstring."""
         if role not in ROLES:
             raise SwitchError("unknown role", expected=" / ".join(ROLES), found=role,
                               fix="the target role is the bound state itself; switch('draft', ...) enters the draft")
-        return _Switch(self, role, self._phase(phase))
+        return Switch(self, role, self._phase(phase))
 
-    def _steps(self, phase: str) -> tuple[_Step, ...]:
+    def _steps(self, phase: str) -> tuple[Step, ...]:
         # Built once per phase (the first switch in it) and reused: a switch creates no closures.
         steps = self._step_cache.get(phase)
         if steps is None:
@@ -410,7 +400,7 @@ class BoundState:
             self._step_cache[phase] = steps
         return steps
 
-    def _snapshot_step(self, g: _Group) -> _Step:
+    def _snapshot_step(self, g: _Group) -> Step:
         statics, arenas = list(g.statics), list(g.arenas)
         validated: dict[int, Any] = {}  # copy index -> the source object last checked
 
@@ -432,9 +422,9 @@ class BoundState:
         def undo() -> None:
             ops.copy_(statics, arenas, validate=False)
 
-        return _Step(f"snapshot[{g.device}]({', '.join(g.names)})", apply, undo)
+        return Step(f"snapshot[{g.device}]({', '.join(g.names)})", apply, undo)
 
-    def _rebind_step(self, name: str, twin: str) -> _Step:
+    def _rebind_step(self, name: str, twin: str) -> Step:
         obj = self.obj
         original = self._tensors.get(name, self._objects.get(name))
         twin_value = self._tensors.get(twin, self._objects.get(twin))
@@ -451,10 +441,10 @@ class BoundState:
                 setattr(obj, alias, ov)
             setattr(obj, name, original)
 
-        return _Step(f"swap({name})", apply, undo)
+        return Step(f"swap({name})", apply, undo)
 
-    def _recompute_step(self, name: str) -> _Step:
-        return _Step(f"recompute({name})", lambda: self._recompute(name), lambda: None)
+    def _recompute_step(self, name: str) -> Step:
+        return Step(f"recompute({name})", lambda: self._recompute(name), lambda: None)
 
     def _recompute(self, name: str, out: torch.Tensor | None = None) -> None:
         rc = self.plan.buffers[name].derive
@@ -566,87 +556,3 @@ class BoundState:
 
     def _fingerprints(self, phase: str) -> list[list[int]]:
         return [ops.fingerprint(g.statics).tolist() for g in self._groups[phase]]
-
-
-class _Switch:
-    """The context manager returned by :meth:`BoundState.switch`; one use."""
-
-    __slots__ = ("state", "role", "phase", "resolve", "applied", "before")
-
-    def __init__(self, state: BoundState, role: str, phase: str) -> None:
-        self.state, self.role, self.phase = state, role, phase
-        self.resolve = state.plan.phases[phase].resolve
-        self.applied: list[_Step] = []
-        self.before: list[list[int]] | None = None
-
-    def _check_capture(self) -> None:
-        st = self.state
-        if st.device.type != "cuda":
-            return
-        capturing = torch.cuda.is_current_stream_capturing()
-        if capturing != (self.phase == "capture"):
-            raise SwitchError("phase does not match the stream's capture status", expected="capture" if capturing
-                              else "eager or replay", found=self.phase,
-                              fix="use phase='capture' exactly when the current stream is capturing")
-
-    def __enter__(self) -> "_Switch":
-        st = self.state
-        st._check_usable()
-        if st._active is not None:
-            raise NestedSwitchError("switch entered while another switch is active on this state",
-                                    expected="no active switch", found=f"active '{st._active.role}' "
-                                    f"({st._active.phase})", fix="exit the active switch first; one switch per state")
-        self._check_capture()
-        st._check_bindings(entering=self.phase)
-        if self.phase != "capture":
-            if knobs.check_stale:
-                st.check()
-            if knobs.verify_restore:
-                self.before = st._fingerprints(self.phase)
-        try:
-            for step in st._steps(self.phase):
-                st._hook("apply", step.name, "before")
-                step.apply()
-                self.applied.append(step)
-                st._hook("apply", step.name, "after")
-        except BaseException as exc:
-            failures = self._undo("undo")
-            if failures:
-                st._poisoned = tuple(name for name, _ in failures)
-                for name, err in failures:
-                    exc.add_note(f"graphctl: undo of {name} failed ({type(err).__name__}: {err}); state poisoned")
-            raise
-        st._active = self
-        return self
-
-    def _undo(self, stage: str) -> list[tuple[str, BaseException]]:
-        st, failures = self.state, []
-        for step in reversed(self.applied):
-            try:
-                st._hook(stage, step.name, "before")
-                step.undo()
-                st._hook(stage, step.name, "after")
-            except BaseException as err:  # keep restoring the rest; report all of them
-                failures.append((step.name, err))
-        self.applied.clear()
-        return failures
-
-    def __exit__(self, et, ev, tb) -> bool:
-        st = self.state
-        st._active = None
-        failures = self._undo("restore")
-        if not failures and self.before is not None:
-            after = st._fingerprints(self.phase)
-            for g, b, a in zip(st._groups[self.phase], self.before, after):
-                failures += [(f"verify({n})", RuntimeError("fingerprint changed"))
-                             for n, x, y in zip(g.names, b, a) if x != y]
-        if not failures:
-            return False
-        st._poisoned = tuple(name for name, _ in failures)
-        err = CorruptedStateError(
-            "restore after the switch failed; the state is poisoned", buffer=", ".join(st._poisoned),
-            expected="every declared buffer and attribute restored",
-            found="; ".join(f"{n}: {type(e).__name__}: {e}" for n, e in failures),
-            fix="rebuild the metadata object and bind it again; later uses of this state raise",
-            failures=st._poisoned)
-        raise err from (ev if ev is not None else failures[0][1])
