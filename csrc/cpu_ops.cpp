@@ -35,18 +35,7 @@ void swap_through_cpu(at::TensorList stat, at::TensorList arena, at::TensorList 
   check_lists("swap_through_", stat, "static", arena, "arena");
   check_lists("swap_through_", stat, "static", source, "source");
   check_cpu(stat, "swap_through_");
-  // Validate everything before writing anything: a failure must leave every buffer untouched.
-  for (size_t i = 0; i < stat.size(); ++i) {
-    auto* s = static_cast<const char*>(stat[i].const_data_ptr());
-    auto* src = static_cast<const char*>(source[i].const_data_ptr());
-    auto* a = static_cast<const char*>(arena[i].const_data_ptr());
-    int64_t n = stat[i].numel() * stat[i].element_size();
-    bool partial = src != s && src < s + n && s < src + n;
-    TORCH_CHECK(!partial, "graphctl::swap_through_: source[", i, "] partially overlaps static[", i,
-                "]; pass the static buffer itself (snapshot only) or a disjoint source");
-    TORCH_CHECK(n == 0 || !(a < s + n && s < a + n), "graphctl::swap_through_: arena[", i,
-                "] overlaps static[", i, "]");
-  }
+  check_swap_overlaps(stat, arena, source);  // before any write: a failure leaves every buffer untouched
   for (size_t i = 0; i < stat.size(); ++i) {
     int64_t n = stat[i].numel() * stat[i].element_size();
     if (n == 0) continue;

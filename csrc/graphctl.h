@@ -41,6 +41,10 @@ inline int64_t dense_nbytes(const at::Tensor& t, const char* op, const char* arg
 // one device for the whole call (the state layer groups buffers per device).
 void check_lists(const char* op, at::TensorList a, const char* an, at::TensorList b, const char* bn);
 
+// swap_through_'s per-entry checks, made before anything is written: a source must be the static
+// buffer itself (snapshot only) or disjoint from it, and the arena must not overlap the static.
+void check_swap_overlaps(at::TensorList stat, at::TensorList arena, at::TensorList source);
+
 // Checks of token_to_request_ shared by the CPU, CUDA and Meta kernels.
 void check_token_to_request(const at::Tensor& out, const at::Tensor& seq_lens, int64_t num_tokens);
 

@@ -22,6 +22,19 @@ void check_lists(const char* op, at::TensorList a, const char* an, at::TensorLis
   }
 }
 
+void check_swap_overlaps(at::TensorList stat, at::TensorList arena, at::TensorList source) {
+  for (size_t i = 0; i < stat.size(); ++i) {
+    auto* s = static_cast<const char*>(stat[i].const_data_ptr());
+    auto* src = static_cast<const char*>(source[i].const_data_ptr());
+    auto* a = static_cast<const char*>(arena[i].const_data_ptr());
+    int64_t n = stat[i].numel() * stat[i].element_size();
+    TORCH_CHECK(src == s || !(src < s + n && s < src + n), "graphctl::swap_through_: source[", i,
+                "] partially overlaps static[", i, "]; pass the static buffer itself (snapshot only) or a disjoint source");
+    TORCH_CHECK(n == 0 || !(a < s + n && s < a + n), "graphctl::swap_through_: arena[", i, "] overlaps static[", i,
+                "]; snapshot into a separate arena");
+  }
+}
+
 void check_token_to_request(const at::Tensor& out, const at::Tensor& seq_lens, int64_t num_tokens) {
   TORCH_CHECK(out.device() == seq_lens.device(), "graphctl::token_to_request_: out is on ", out.device(),
               " but seq_lens on ", seq_lens.device());

@@ -13,7 +13,7 @@ import torch
 
 from graphctl import (BindError, CopyInPlace, CorruptedStateError, DeclarationError, NestedSwitchError, Pad,
                       Recompute, Registry, Stable, StaleBufferError, StateSpec, Swap, SwitchError, bind)
-from mini import MiniMetadata, make_registry, make_spec
+from mini import MiniMetadata, make_registry
 
 G = lambda: torch.Generator().manual_seed(1234)  # noqa: E731  (fixed: the table shows real messages)
 noop = lambda out, *xs: None  # noqa: E731
@@ -60,13 +60,6 @@ def _bind(spec, **attrs):
 def _mini():
     m = MiniMetadata(G())
     return m, bind(m, registry=make_registry())
-
-
-def _mini_with(**changes):
-    m = MiniMetadata(G())
-    for k, v in changes.items():
-        setattr(m, k, v(m))
-    return bind(m, registry=make_registry())
 
 
 def _enter(st, phase="eager"):

@@ -31,3 +31,9 @@ def _maybe_offset(numel: int, dtype: torch.dtype, gen: torch.Generator, device) 
 
 def clones(ts):
     return [t.clone() for t in ts]
+
+
+def bytes_equal(a, b) -> bool:
+    """Bitwise equality of two tensor lists (on the CPU), whatever their dtypes."""
+    return all(torch.equal(x.reshape(-1).view(torch.uint8).cpu(), y.reshape(-1).view(torch.uint8).cpu())
+               for x, y in zip(a, b))

@@ -189,13 +189,7 @@ void swap_through_cuda(at::TensorList stat, at::TensorList arena, at::TensorList
   check_lists("swap_through_", stat, "static", source, "source");
   if (stat.empty()) return;
   check_cuda(stat, "swap_through_");
-  for (size_t i = 0; i < stat.size(); ++i) {
-    auto* s = static_cast<const char*>(stat[i].const_data_ptr());
-    auto* src = static_cast<const char*>(source[i].const_data_ptr());
-    int64_t n = stat[i].numel() * stat[i].element_size();
-    TORCH_CHECK(src == s || !(src < s + n && s < src + n), "graphctl::swap_through_: source[", i,
-                "] partially overlaps static[", i, "]; pass the static buffer itself (snapshot only) or a disjoint source");
-  }
+  check_swap_overlaps(stat, arena, source);
   c10::cuda::CUDAGuard guard(stat[0].device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   for_each_table(

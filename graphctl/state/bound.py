@@ -21,7 +21,6 @@ from typing import Any, Callable, Mapping
 import torch
 
 from graphctl import ops
-from graphctl.debug import knobs
 from graphctl.errors import BindError, CorruptedStateError, StaleBufferError, SwitchError
 from graphctl.state.plan import PHASES, Plan, compile_spec
 from graphctl.state.registry import Registry, default_registry

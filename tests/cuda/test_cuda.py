@@ -10,14 +10,9 @@ import graphctl
 from graphctl import bind, ops
 from graphctl.ops import reference
 from mini import MiniMetadata, make_registry
-from opcases import buffer_set, clones
+from opcases import buffer_set, bytes_equal
 
 pytestmark = pytest.mark.cuda
-
-
-def _bytes_equal(a, b):
-    return all(torch.equal(x.reshape(-1).view(torch.uint8).cpu(), y.reshape(-1).view(torch.uint8).cpu())
-               for x, y in zip(a, b))
 
 
 def _graph_nodes(fn) -> dict[str, int]:
@@ -54,7 +49,7 @@ def test_swap_through_cuda_matches_reference(n, gen):
     src_ref = [s_ref[i] if i % 3 == 0 else t.cpu() for i, t in enumerate(sources)]
     ops.swap_through_(statics, arenas, sources)
     reference.swap_through_(s_ref, a_ref, src_ref)
-    assert _bytes_equal(statics, s_ref) and _bytes_equal(arenas, a_ref)
+    assert bytes_equal(statics, s_ref) and bytes_equal(arenas, a_ref)
 
 
 @pytest.mark.parametrize("n", [3, 449])
@@ -63,7 +58,7 @@ def test_copy_and_fingerprint_cuda_match_reference(n, gen):
     d_ref = [t.cpu() for t in dst]
     ops.copy_(dst, src)
     reference.copy_(d_ref, [t.cpu() for t in src])
-    assert _bytes_equal(dst, d_ref)
+    assert bytes_equal(dst, d_ref)
     fp = ops.fingerprint(dst)
     assert fp.is_cuda and torch.equal(fp.cpu(), reference.fingerprint([t.cpu() for t in dst]))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphctl import BindError, CorruptedStateError, Recompute, Registry, StateSpec, Swap, bind, ops
+from graphctl import BindError, CorruptedStateError, Recompute, Registry, StateSpec, Swap, bind
 from mini import MiniMetadata, make_registry
 
 
@@ -134,4 +134,3 @@ def test_derived_inputs_may_be_swapped_objects_and_recompute_reads_the_twin(gen)
     with st.switch("draft", "eager"):
         assert torch.equal(m.slots, m.d_offs + m.lens)
     assert torch.equal(m.slots, m.offs + m.lens)
-    assert ops is not None

@@ -6,13 +6,9 @@ import torch
 
 from graphctl import ops
 from graphctl.ops import reference
-from opcases import buffer_set, clones
+from opcases import buffer_set, bytes_equal, clones
 
 pytestmark = pytest.mark.skipif(not ops.uses_extension(), reason="graphctl._C not loaded")
-
-
-def _bytes_equal(a, b):
-    return all(torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 65, 449, 1000])
@@ -27,9 +23,9 @@ def test_swap_through_matches_reference(n, gen):
     want_arena = clones(statics)
     ops.swap_through_(statics, arenas, sources)  # empty lists return before dispatch
     reference.swap_through_(s_ref, a_ref, src_ref)
-    assert _bytes_equal(statics, s_ref) and _bytes_equal(arenas, a_ref)
-    assert _bytes_equal(arenas, want_arena)  # the arena holds the old contents
-    assert _bytes_equal([s for i, s in enumerate(statics) if i % 3],
+    assert bytes_equal(statics, s_ref) and bytes_equal(arenas, a_ref)
+    assert bytes_equal(arenas, want_arena)  # the arena holds the old contents
+    assert bytes_equal([s for i, s in enumerate(statics) if i % 3],
                         [s for i, s in enumerate(sources) if i % 3])
 
 
@@ -41,7 +37,7 @@ def test_copy_matches_reference_bytewise_across_dtypes(n, gen):
     d_ref = clones(dst)
     ops.copy_(dst, src)
     reference.copy_(d_ref, src)
-    assert _bytes_equal(dst, d_ref) and _bytes_equal(dst, src)
+    assert bytes_equal(dst, d_ref) and bytes_equal(dst, src)
 
 
 def test_fingerprint_matches_reference_and_sees_one_bit(gen):
@@ -149,6 +145,6 @@ def test_multithreaded_host_copies_match_reference(gen):
     arenas = [torch.full((n,), 7, dtype=torch.uint8) for n in sizes]
     want_arena, want_static = clones(statics), clones(sources)
     ops.swap_through_(statics, arenas, sources)
-    assert _bytes_equal(arenas, want_arena) and _bytes_equal(statics, want_static)
+    assert bytes_equal(arenas, want_arena) and bytes_equal(statics, want_static)
     ops.copy_(statics, arenas)
-    assert _bytes_equal(statics, want_arena)
+    assert bytes_equal(statics, want_arena)
