@@ -3,8 +3,9 @@ capture and replay of speculative-decoding draft forwards.
 
 The public surface is exactly ``__all__``; everything else is internal."""
 from graphctl import debug, ops
-from graphctl.errors import (BindError, CorruptedStateError, DeclarationError, GraphctlError, NestedSwitchError,
-                             StaleBufferError, SwitchError)
+from graphctl.errors import (BindError, CaptureError, CorruptedStateError, DeclarationError, GraphctlError,
+                             NestedSwitchError, ReplayError, StaleBufferError, SwitchError)
+from graphctl.graphs import GraphRunner, Report, StaticInput, graphed
 from graphctl.state import BoundState, CopyInPlace, Pad, Recompute, Registry, Stable, StateSpec, Swap, bind, register
 
 __version__ = "0.1.0"
@@ -13,6 +14,7 @@ __all__ = [
     "StateSpec", "register", "bind", "BoundState", "Registry",
     "Swap", "CopyInPlace", "Recompute", "Stable", "Pad",
     "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError",
-    "CorruptedStateError", "StaleBufferError",
+    "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
+    "graphed", "GraphRunner", "StaticInput", "Report",
     "debug", "ops", "__version__",
 ]

@@ -57,6 +57,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("verify_restore", "GRAPHCTL_VERIFY_RESTORE", _parse_bool, False, "runtime",
          "Fingerprint every snapshotted buffer on switch entry and again after restore; a "
          "difference poisons the state (`CorruptedStateError`). Host sync; skipped in capture."),
+    Knob("check_manifest", "GRAPHCTL_CHECK_MANIFEST", _parse_bool, False, "runtime",
+         "Check the address manifest (every static buffer, static input and frozen argument) before "
+         "every replay, not only the first replay of each graph; a change raises `ReplayError`."),
+    Knob("graph_backend", "GRAPHCTL_BACKEND", _parse_choice("auto", "cuda", "emulated"), "auto", "runtime",
+         "What `backend=\"auto\"` picks for `@graphed`: `auto` (CUDA graphs when the inputs are on a CUDA "
+         "device, else the emulated recorder), `cuda` or `emulated`. An explicit `backend=` wins."),
     Knob("no_extension", "GRAPHCTL_NO_EXTENSION", _parse_bool, False, "runtime",
          "Do not load `graphctl._C`; every op runs its pure-PyTorch reference. `graphctl info` "
          "reports the reason."),

@@ -8,13 +8,15 @@ what was expected, what was found, and how to fix it. All of them pickle.
 - :class:`NestedSwitchError`: a switch entered while another is active on the same state.
 - :class:`CorruptedStateError`: a restore failed; the state is poisoned and refuses all use.
 - :class:`StaleBufferError`: a derived buffer no longer equals ``fn(inputs)``.
+- :class:`CaptureError`: a graph could not be captured; nothing replayable was kept.
+- :class:`ReplayError`: a captured graph cannot serve a call (address changed, input does not fit).
 """
 from __future__ import annotations
 
 from typing import Any
 
 __all__ = ["GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError",
-           "CorruptedStateError", "StaleBufferError"]
+           "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError"]
 
 _MISSING = object()
 
@@ -78,3 +80,22 @@ class CorruptedStateError(GraphctlError):
 class StaleBufferError(GraphctlError):
     """A derived buffer differs from a fresh recompute of its inputs (``index`` is the first
     differing flat index)."""
+
+
+class CaptureError(GraphctlError):
+    """A capture failed or would fail. The partial graph was reset and dropped, switches opened
+    in the body were restored, and the original exception is ``__cause__``. ``bucket`` names the
+    bucket; ``where`` is the user's ``file:line`` for an operation illegal under capture."""
+
+    @classmethod
+    def from_body(cls, bucket: int, exc: BaseException) -> "CaptureError":
+        """The error a capture raises when the forward itself raised (chain ``exc`` as cause)."""
+        return cls(f"the forward raised while bucket {bucket} was being captured; the partial graph was dropped "
+                   "and every switch opened in it restored", expected="a forward that completes",
+                   found=f"{type(exc).__name__}: {exc}", fix="see the chained exception: it is the forward's own",
+                   bucket=bucket)
+
+
+class ReplayError(GraphctlError):
+    """A call cannot be served by its captured graph: a static buffer or frozen argument moved
+    since capture, or the live inputs do not fit the static input buffers."""

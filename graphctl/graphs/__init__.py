@@ -1,4 +1,10 @@
-"""Capture and replay (buckets, static inputs, ``@graphed``, draft loops, inspection).
+"""Capture and replay: buckets, static inputs, the ``@graphed`` decorator, the CUDA and
+emulated backends. Built on ``graphctl.state``; ``state`` never imports this package."""
+from graphctl.graphs.backends import BACKENDS, select_backend, unsupported_reasons
+from graphctl.graphs.decorator import graphed
+from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
+from graphctl.graphs.report import SCHEMA, BucketReport, Report, Segment
+from graphctl.graphs.runner import GraphRunner
 
-Built on ``graphctl.state``; arrives with issue 4. Nothing is exported yet."""
-__all__: list[str] = []
+__all__ = ["BACKENDS", "DEFAULT_BUCKETS", "SCHEMA", "BucketReport", "Buckets", "GraphRunner", "Report", "Segment",
+           "StaticInput", "graphed", "select_backend", "unsupported_reasons"]

@@ -16,13 +16,15 @@ restore poisons the state: every later use raises ``CorruptedStateError``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import contextlib
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from graphctl import ops
 from graphctl.errors import BindError, CorruptedStateError, StaleBufferError, SwitchError
-from graphctl.state.plan import PHASES, Plan, compile_spec
+from graphctl.state.phase import resolve_phase
+from graphctl.state.plan import NESTING_PHASES, PHASES, Plan, compile_spec
 from graphctl.state.registry import Registry, default_registry
 from graphctl.state.spec import BufferDecl, CopyInPlace
 from graphctl.state.transaction import FaultHook, Switch, Step
@@ -89,6 +91,7 @@ class BoundState:
         self._active: Switch | None = None
         self._poisoned: tuple[str, ...] | None = None
         self._fault_hook: FaultHook | None = None
+        self._observers: list[Callable[[str, str, str], None]] = []
         self._scratch: dict[str, torch.Tensor] = {}
         self._step_cache: dict[str, tuple[Step, ...]] = {}
         self._tensors: dict[str, torch.Tensor] = {}
@@ -259,26 +262,29 @@ class BoundState:
                                     f"add aliases=('{attr}',) so the swap re-points it with the base")
         return out
 
-    def _allocate_arenas(self) -> dict[str, torch.Tensor]:
-        names: list[str] = []
+    def _allocate_arenas(self) -> dict[tuple[str, str], torch.Tensor]:
+        """Snapshot slots keyed ``(family, name)``: phases that never overlap share the ``main``
+        family; a nesting phase (``refresh``) has its own, see ``plan.NESTING_PHASES``."""
+        names: list[tuple[str, str]] = []
         for p in PHASES:
-            names.extend(n for n in self.plan.phases[p].snapshot if n not in names)
-        by_dev: dict[torch.device, list[str]] = {}
-        for n in names:
-            by_dev.setdefault(self._tensors[n].device, []).append(n)
-        arena: dict[str, torch.Tensor] = {}
+            fam = p if p in NESTING_PHASES else "main"
+            names.extend((fam, n) for n in self.plan.phases[p].snapshot if (fam, n) not in names)
+        by_dev: dict[torch.device, list[tuple[str, str]]] = {}
+        for key in names:
+            by_dev.setdefault(self._tensors[key[1]].device, []).append(key)
+        arena: dict[tuple[str, str], torch.Tensor] = {}
         for dev, group in by_dev.items():
             offsets, total = [], 0
-            for n in group:
+            for _, n in group:
                 offsets.append(total)
                 t = self._tensors[n]
                 total += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN
             pin = dev.type == "cpu" and self.device.type == "cuda"
             flat = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=dev, pin_memory=pin)
-            for n, off in zip(group, offsets):
-                t = self._tensors[n]
+            for key, off in zip(group, offsets):
+                t = self._tensors[key[1]]
                 nbytes = t.numel() * t.element_size()
-                arena[n] = flat[off:off + nbytes].view(t.dtype).view(t.shape)
+                arena[key] = flat[off:off + nbytes].view(t.dtype).view(t.shape)
         return arena
 
     def _make_groups(self, phase: str) -> tuple[_Group, ...]:
@@ -288,10 +294,11 @@ class BoundState:
         for n in pp.snapshot:
             by_dev.setdefault(self._tensors[n].device, []).append(n)
         groups = []
+        fam = phase if phase in NESTING_PHASES else "main"
         for dev, names in by_dev.items():
             cps = tuple((i, n, copies[n]) for i, n in enumerate(names) if n in copies)
             groups.append(_Group(dev, tuple(names), tuple(self._tensors[n] for n in names),
-                                 tuple(self._arena[n] for n in names), cps))
+                                 tuple(self._arena[fam, n] for n in names), cps))
         return tuple(groups)
 
     # ---------------------------------------------------------------------- introspection
@@ -309,6 +316,19 @@ class BoundState:
         """The address manifest: every declared buffer's data pointer (twins included)."""
         return {n: t.data_ptr() for n, t in self._tensors.items()}
 
+    def live_addresses(self) -> dict[str, int | None]:
+        """What the object's attributes point at now (``None`` where one is not a tensor); a
+        graph captured against :meth:`addresses` reads stale memory wherever the two differ."""
+        out: dict[str, int | None] = {}
+        for n in self._tensors:
+            v = getattr(self.obj, n, None)
+            out[n] = v.data_ptr() if isinstance(v, torch.Tensor) else None
+        return out
+
+    def mutable_names(self) -> tuple[str, ...]:
+        """Device buffers declared ``mutable``: what a warmup or capture run may accumulate into."""
+        return tuple(n for n in self.plan.buffers if n in self.plan.mutable)
+
     def snapshot_names(self, phase: str) -> tuple[str, ...]:
         return self.plan.phases[self._phase(phase)].snapshot
 
@@ -323,8 +343,9 @@ class BoundState:
 
     def _phase(self, phase: str) -> str:
         if phase not in PHASES:
-            raise SwitchError("unknown phase", expected=" / ".join(PHASES), found=phase,
-                              fix="eager for a plain forward, capture under stream capture, replay around replay()")
+            raise SwitchError("unknown phase", expected=" / ".join(PHASES + ("auto",)), found=phase,
+                              fix="eager for a plain forward, capture under a capture, replay around replay() "
+                                  "(refresh is the graph runner's), auto to pick eager or capture")
         return phase
 
     def _check_usable(self) -> None:
@@ -380,13 +401,24 @@ class BoundState:
 
     # ------------------------------------------------------------------------ the switch
 
-    def switch(self, role: str, phase: str = "eager") -> "Switch":
+    def switch(self, role: str, phase: str = "auto") -> "Switch":
         """Context manager: enter ``role`` (``"draft"``) for ``phase`` (``eager``, ``capture``,
-        ``replay``) and restore everything on exit. See the module docstring."""
+        ``replay``, or ``auto``: ``capture`` under a capture, else ``eager``) and restore
+        everything on exit. See the module docstring."""
         if role not in ROLES:
             raise SwitchError("unknown role", expected=" / ".join(ROLES), found=role,
                               fix="the target role is the bound state itself; switch('draft', ...) enters the draft")
-        return Switch(self, role, self._phase(phase))
+        return Switch(self, role, self._phase(resolve_phase(phase, self.device)))
+
+    @contextlib.contextmanager
+    def observe(self, callback: Callable[[str, str, str], None]) -> Iterator[None]:
+        """Call ``callback(role, phase, "enter" | "exit")`` at every switch boundary inside the
+        region (the graph runner marks segment boundaries with it)."""
+        self._observers.append(callback)
+        try:
+            yield
+        finally:
+            self._observers.remove(callback)
 
     def _steps(self, phase: str) -> tuple[Step, ...]:
         # Built once per phase (the first switch in it) and reused: a switch creates no closures.
@@ -421,7 +453,7 @@ class BoundState:
         def undo() -> None:
             ops.copy_(statics, arenas, validate=False)
 
-        return Step(f"snapshot[{g.device}]({', '.join(g.names)})", apply, undo)
+        return Step(f"snapshot[{g.device}]({', '.join(g.names)})", apply, undo, recorded=g.device.type == "cuda")
 
     def _rebind_step(self, name: str, twin: str) -> Step:
         obj = self.obj
@@ -443,7 +475,8 @@ class BoundState:
         return Step(f"swap({name})", apply, undo)
 
     def _recompute_step(self, name: str) -> Step:
-        return Step(f"recompute({name})", lambda: self._recompute(name), lambda: None)
+        return Step(f"recompute({name})", lambda: self._recompute(name), lambda: None,
+                    recorded=self.device.type == "cuda")
 
     def _recompute(self, name: str, out: torch.Tensor | None = None) -> None:
         rc = self.plan.buffers[name].derive
@@ -474,6 +507,9 @@ class BoundState:
             raise SwitchError("write() inside a switch to a buffer not declared mutable", buffer=name,
                               expected="mutable=True", found="mutable=False",
                               fix="declare mutable=True so the switch snapshots and restores it")
+        if sw is not None and sw.phase == "refresh":
+            raise SwitchError("write() inside a refresh switch", buffer=name, expected="no writes (nothing is "
+                              "snapshotted for them)", found="a write", fix="write before the replay, or use phase='replay'")
         target = getattr(self.obj, name, None)
         want = self._expected_binding(name)
         if target is not want:

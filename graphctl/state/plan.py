@@ -4,7 +4,10 @@ buffers, and for each phase what is swapped, copied, recomputed and snapshotted.
 A plan is pure data over entry names; ``graphctl.state.bound`` resolves it against a live
 object. Phases: ``eager`` and ``capture`` apply swaps and draft copies (``capture`` records
 the device work into the graph), ``eager`` and ``replay`` apply refreshes (host code around
-``graph.replay()``; never inside a capture, where a refresh would be baked once).
+``graph.replay()``; never inside a capture, where a refresh would be baked once). ``refresh``
+is what the graph runner opens around ``graph.replay()``: the replay refreshes alone, without
+snapshotting ``mutable`` buffers, so whatever the graph itself writes to them stays written
+(a ``replay`` switch restores them on exit, the graph's writes included).
 """
 from __future__ import annotations
 
@@ -14,9 +17,12 @@ from typing import Mapping
 from graphctl.errors import DeclarationError
 from graphctl.state.spec import BufferDecl, CopyInPlace, ObjectDecl, StateSpec, Swap, is_draft_segment
 
-__all__ = ["PHASES", "PhasePlan", "Plan", "compile_spec"]
+__all__ = ["NESTING_PHASES", "PHASES", "PhasePlan", "Plan", "compile_spec"]
 
-PHASES = ("eager", "capture", "replay")
+PHASES = ("eager", "capture", "replay", "refresh")
+# Phases whose switch can be open while a graph captured with a "capture" switch replays; their
+# snapshots get arena slots of their own, so the in-graph snapshot never overwrites theirs.
+NESTING_PHASES = ("refresh",)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -170,18 +176,20 @@ def compile_spec(spec: StateSpec) -> Plan:
     mutable = frozenset(n for n, d in buffers.items() if d.mutable)
     plan_phases = {}
     for phase in PHASES:
-        swaps = tuple((n, d.draft.twin) for n, d in entries.items() if isinstance(d.draft, Swap)) if phase != "replay" else ()
+        swapping = phase in ("eager", "capture")
+        swaps = tuple((n, d.draft.twin) for n, d in entries.items() if isinstance(d.draft, Swap)) if swapping else ()
         resolve = dict(swaps)
         copies = []
         for n, d in buffers.items():
-            if isinstance(d.draft, CopyInPlace) and phase != "replay":
+            if isinstance(d.draft, CopyInPlace) and swapping:
                 copies.append((n, d.draft))
             if d.refresh is not None and phase != "capture":
                 copies.append((n, d.refresh))
         changed = [n for n, _ in swaps] + [n for n, _ in copies]
         recompute = _closure(order, dependents, changed)
-        written = [n for n, _ in copies] + list(recompute) + sorted(mutable) + list(
-            _closure(order, dependents, mutable))
+        written = [n for n, _ in copies] + list(recompute)
+        if phase != "refresh":
+            written += sorted(mutable) + list(_closure(order, dependents, mutable))
         snapshot: list[str] = []
         for n in written:
             held = resolve.get(n, n)

@@ -14,6 +14,7 @@ import torch
 
 from graphctl.debug import knobs
 from graphctl.errors import CorruptedStateError, NestedSwitchError, SwitchError
+from graphctl.state.phase import capture_invalidated, capturing
 
 if TYPE_CHECKING:
     from graphctl.state.bound import BoundState
@@ -25,12 +26,14 @@ FaultHook = Callable[[str, str, str], None]  # (stage, step, "before"|"after"), 
 
 class Step:
     """One reversible piece of a switch. ``apply`` and ``undo`` may raise; the transaction
-    records a step as applied only after ``apply`` returned."""
+    records a step as applied only after ``apply`` returned. ``recorded`` marks device work
+    that a CUDA capture records instead of running."""
 
-    __slots__ = ("name", "apply", "undo")
+    __slots__ = ("name", "apply", "undo", "recorded")
 
-    def __init__(self, name: str, apply: Callable[[], None], undo: Callable[[], None]) -> None:
-        self.name, self.apply, self.undo = name, apply, undo
+    def __init__(self, name: str, apply: Callable[[], None], undo: Callable[[], None],
+                 recorded: bool = False) -> None:
+        self.name, self.apply, self.undo, self.recorded = name, apply, undo, recorded
 
 
 class Switch:
@@ -46,13 +49,13 @@ class Switch:
 
     def _check_capture(self) -> None:
         st = self.state
-        if st.device.type != "cuda":
-            return
-        capturing = torch.cuda.is_current_stream_capturing()
-        if capturing != (self.phase == "capture"):
-            raise SwitchError("phase does not match the stream's capture status", expected="capture" if capturing
+        live = capturing(st.device)
+        if st.device.type != "cuda" and not live:
+            return  # a CPU state outside the recorder may rehearse any phase
+        if live != (self.phase == "capture"):
+            raise SwitchError("phase does not match the capture status", expected="capture" if live
                               else "eager or replay", found=self.phase,
-                              fix="use phase='capture' exactly when the current stream is capturing")
+                              fix="use phase='auto', or 'capture' exactly when a capture is running")
 
     def __enter__(self) -> "Switch":
         st = self.state
@@ -63,6 +66,8 @@ class Switch:
                                     f"({st._active.phase})", fix="exit the active switch first; one switch per state")
         self._check_capture()
         st._check_bindings(entering=self.phase)
+        for observe in st._observers:
+            observe(self.role, self.phase, "enter")
         if self.phase != "capture":
             if knobs.check_stale:
                 st.check()
@@ -86,7 +91,11 @@ class Switch:
 
     def _undo(self, stage: str) -> list[tuple[str, BaseException]]:
         st, failures = self.state, []
+        # A dead capture never runs what it recorded, so recorded device work has nothing to undo.
+        dead = self.phase == "capture" and any(s.recorded for s in self.applied) and capture_invalidated(st.device)
         for step in reversed(self.applied):
+            if dead and step.recorded:
+                continue
             try:
                 st._hook(stage, step.name, "before")
                 step.undo()
@@ -100,6 +109,8 @@ class Switch:
         st = self.state
         st._active = None
         failures = self._undo("restore")
+        for observe in st._observers:
+            observe(self.role, self.phase, "exit")
         if not failures and self.before is not None:
             after = st._fingerprints(self.phase)
             for g, b, a in zip(st._groups[self.phase], self.before, after):

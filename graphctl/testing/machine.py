@@ -107,7 +107,7 @@ class SwitchMachine(RuleBasedStateMachine):
         if d.axis is not None:
             rows = data.draw(st.integers(0, live.shape[d.axis_dim]), label="rows")
         value = self.case.value(name, rows)
-        refused = d.derive is not None or (self.switch is not None and not d.mutable)
+        refused = d.derive is not None or (self.switch is not None and (not d.mutable or self.switch.phase == "refresh"))
         before = {n: _bytes(getattr(self.case.obj, n)) for n in self.names}
         if refused:
             try:

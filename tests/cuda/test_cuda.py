@@ -185,7 +185,7 @@ def test_state_machine_on_cuda_with_host_mirrors():
     from graphctl.testing import SwitchMachine, cases
 
     class CudaMachine(SwitchMachine):
-        phases = ("eager", "replay")
+        phases = ("eager", "replay", "refresh")
 
         def draw_case(self, data):
             return data.draw(cases(device="cuda"))

@@ -174,7 +174,7 @@ def test_verify_restore_detects_tampering(meta, state):
     with graphctl.debug.scope(verify_restore=True):
         with pytest.raises(CorruptedStateError, match="verify"):
             with state.switch("draft", "eager"):
-                state._arena["kv_lens"].add_(1)  # corrupt the snapshot itself
+                state._arena["main", "kv_lens"].add_(1)  # corrupt the snapshot itself
         assert state.poisoned is not None
 
 

@@ -1,0 +1,166 @@
+"""The CUDA graph backend: ``torch.cuda.CUDAGraph`` captured exception-safely.
+
+torch's ``with torch.cuda.graph(g)`` always calls ``capture_end`` in ``__exit__``, so a body
+that raised leaves a replayable partial graph, and a body that synchronised surfaces
+``cudaErrorStreamCaptureInvalidated`` instead of its own error and leaves the CUDA RNG in
+capture mode (``../shared/reference/apis.md`` §1.4). This backend calls ``capture_begin`` and
+``capture_end`` itself:
+
+- preconditions are checked *before* ``capture_begin`` (a non-default stream, no capture
+  already running on it), because ``capture_begin`` puts the RNG in capture mode before it
+  checks the stream;
+- a body that raises gets its capture ended (any error of that end is kept as a note), the
+  graph reset and dropped, and, when the end failed, one throw-away capture that runs the RNG
+  epilogue, so later ``torch.randn`` works; the body's own exception is the ``__cause__`` of
+  the :class:`~graphctl.errors.CaptureError`;
+- graphs keep their template (``keep_graph=True``) so nodes can be counted and inspected.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from graphctl.errors import CaptureError
+
+__all__ = ["CudaBackend", "CudaGraph", "node_count", "capturing_node_count"]
+
+
+def _rt():
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError:
+        return None
+    return rt
+
+
+def node_count(raw_graph: int) -> int | None:
+    """Nodes in a ``cudaGraph_t`` (None without cuda-bindings)."""
+    rt = _rt()
+    if rt is None:
+        return None
+    err, _, n = rt.cudaGraphGetNodes(raw_graph, 0)
+    return int(n) if int(err) == 0 else None
+
+
+def capturing_node_count(stream: torch.cuda.Stream) -> int:
+    """Nodes recorded so far by the capture running on ``stream`` (-1 when unknown)."""
+    rt = _rt()
+    if rt is None:
+        return -1
+    err, status, _id, graph, *_ = rt.cudaStreamGetCaptureInfo(stream.cuda_stream)
+    if int(err) != 0 or graph is None:
+        return -1
+    n = node_count(int(graph))
+    return -1 if n is None else n
+
+
+class CudaGraph:
+    """One captured ``torch.cuda.CUDAGraph`` (template kept) and what was measured of it."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, pool_bytes: int) -> None:
+        self._graph = graph
+        self.pool_bytes = pool_bytes
+        n = node_count(graph.raw_cuda_graph())
+        self.node_count = -1 if n is None else n
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+    @property
+    def raw(self) -> torch.cuda.CUDAGraph:
+        return self._graph
+
+
+class CudaBackend:
+    """Interface shared with :class:`~graphctl.graphs.emulated.EmulatedBackend`:
+    ``new_pool()``, ``warmup(body)``, ``capture(body, pool, bucket) -> (graph, out)`` where
+    ``body(mark)`` runs the forward and ``mark()`` counts the nodes recorded so far, and
+    ``synchronize()``. Graphs have ``replay()``, ``node_count`` and ``pool_bytes``."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        with torch.cuda.device(self.device):
+            self.stream = torch.cuda.Stream()
+            self._scratch = torch.zeros(1, device=self.device)  # for the RNG recovery capture
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def warmup(self, body: Callable[[], Any]) -> Any:
+        # Warm up on the capture stream: allocator blocks and library handles warmed here are the
+        # ones the capture will see.
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):
+            out = body()
+        cur.wait_stream(self.stream)
+        return out
+
+    def _check_preconditions(self, bucket: int) -> None:
+        if self.stream == torch.cuda.default_stream(self.device):
+            raise CaptureError("capture stream is the default stream", expected="a side stream",
+                               found="the default stream", fix="pass a torch.cuda.Stream()", bucket=bucket)
+        if torch.cuda.is_current_stream_capturing():
+            raise CaptureError("a capture is already running on the current stream", expected="no capture running",
+                               found="an active capture", fix="capture graphs one at a time, outside other captures",
+                               bucket=bucket)
+
+    def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int) -> tuple[CudaGraph, Any]:
+        self._check_preconditions(bucket)
+        g = torch.cuda.CUDAGraph(keep_graph=True)
+        self.synchronize()
+        before = torch.cuda.memory_reserved(self.device)
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):
+            g.capture_begin(pool=pool)
+            try:
+                out = body(lambda: capturing_node_count(self.stream))
+            except BaseException as exc:
+                self._abandon(g, exc)
+                raise CaptureError.from_body(bucket, exc) from exc
+            try:
+                g.capture_end()
+            except BaseException as exc:  # the body swallowed an error that invalidated the capture
+                g.reset()
+                self._recover_rng()
+                raise CaptureError(f"capture of bucket {bucket} was invalidated", expected="a valid capture",
+                                   found=f"{type(exc).__name__}: {exc}",
+                                   fix="a host sync or an illegal call ran in the forward (an error was swallowed "
+                                       "in the body); run it under backend='emulated' to get its file:line",
+                                   bucket=bucket) from exc
+        cur.wait_stream(self.stream)
+        g.instantiate()
+        self.synchronize()
+        return CudaGraph(g, max(0, torch.cuda.memory_reserved(self.device) - before)), out
+
+    def _abandon(self, g: torch.cuda.CUDAGraph, exc: BaseException) -> None:
+        try:
+            g.capture_end()
+            ended = True
+        except BaseException as end_err:  # typically cudaErrorStreamCaptureInvalidated; keep it as a note
+            exc.add_note(f"graphctl: ending the failed capture also raised {type(end_err).__name__}: {end_err}")
+            ended = False
+        g.reset()  # never keep a replayable partial graph
+        if not ended:
+            self._recover_rng()
+
+    def _recover_rng(self) -> None:
+        # A capture whose end failed leaves the default CUDA generator in capture mode; the next
+        # successful capture's epilogue resets it, so run a tiny throw-away one.
+        try:
+            torch.cuda.synchronize(self.device)
+        except BaseException:
+            pass
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self.stream):
+            g.capture_begin()
+            self._scratch.add_(1)
+            g.capture_end()
+        g.reset()

@@ -1,0 +1,32 @@
+"""``@graphed``: the decorator users meet first.
+
+::
+
+    @graphctl.graphed(buckets=[1, 2, 4, 8], state=metadata, inputs=("input_ids", "positions"))
+    def forward(input_ids, positions, metadata):
+        h = target(input_ids, positions, metadata)
+        with graphctl.bind(metadata).switch("draft"):   # or the state passed as state=
+            draft_tokens = draft_loop(h, metadata)
+        return h, draft_tokens
+
+    forward.capture_all(ids, pos, metadata)   # optional: the first call captures too
+    out = forward(ids, pos, metadata)         # pick bucket, copy inputs, pad, check, replay
+    print(forward.report())
+
+Bare ``@graphed`` uses the default buckets (1 to 256, powers of two) and makes every tensor
+argument a static input with its batch on dim 0. The result is a :class:`GraphRunner`; every
+option and constraint is documented there."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from graphctl.graphs.runner import GraphRunner
+
+__all__ = ["graphed"]
+
+
+def graphed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
+    """Wrap ``fn`` in a :class:`GraphRunner`; usable as ``@graphed`` and ``@graphed(...)``."""
+    if fn is None:
+        return lambda f: GraphRunner(f, **options)
+    return GraphRunner(fn, **options)

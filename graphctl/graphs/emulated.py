@@ -1,0 +1,165 @@
+"""The emulated graph backend: CUDA-graph capture semantics on any device, CPU included.
+
+Capture runs the body once under a ``TorchDispatchMode`` recorder that executes every op and
+keeps it with the very tensors it touched. Replay re-executes the recorded ops onto the same
+storages and ignores the Python code, as a CUDA graph would:
+
+- ops that return fresh tensors write their new results into the capture-time output
+  tensors, which stay alive with the graph (its "pool"); in-place, ``out=`` and view ops
+  alias their inputs and are simply re-run, so views keep pointing where they pointed;
+- a host scalar read at capture stays frozen (it is an argument of the recorded op);
+- rebinding an attribute after capture changes nothing, and a tensor allocated after capture
+  is never read by the replay: only recorded tensors are.
+
+Operations that a CUDA capture cannot hold raise :class:`~graphctl.errors.CaptureError` with
+the user's ``file:line``: host reads of device values (``.item()``, ``.tolist()``, ``bool(t)``,
+``torch.equal``), data-dependent output shapes (``nonzero``, ``masked_select``, ``unique``) and
+device-to-host copies. A ``.cpu()`` of a tensor that already lives on the CPU does not reach the
+dispatcher, so on a CPU-only machine it is invisible here (the CUDA backend refuses it).
+graphctl's own ops are recorded as single ops.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from graphctl.errors import CaptureError
+from graphctl.state.phase import recording
+
+__all__ = ["EmulatedBackend", "EmulatedGraph"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_GRAPHCTL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_HOST_READS = {"aten::_local_scalar_dense": "reads a device value on the host (.item(), .tolist(), bool(t), int(t))",
+               "aten::equal": "returns a Python bool computed from device values (torch.equal)",
+               "aten::is_nonzero": "reads a device value on the host (bool(t))"}
+
+
+def _user_frame() -> str:
+    """The innermost stack frame outside torch and graphctl: the line that issued the op."""
+    for frame in reversed(traceback.extract_stack()):
+        f = os.path.abspath(frame.filename)
+        if not f.startswith(_TORCH_DIR) and not f.startswith(_GRAPHCTL_DIR) and "<frozen" not in f:
+            rel = os.path.relpath(f)
+            return f"{f if rel.startswith('..') else rel}:{frame.lineno}"
+    return "<unknown>"
+
+
+def _illegal(func: torch._ops.OpOverload, args: tuple, out: Any) -> str | None:
+    name = func._schema.name
+    if name in _HOST_READS:
+        return _HOST_READS[name]
+    if torch.Tag.dynamic_output_shape in func.tags or torch.Tag.data_dependent_output in func.tags:
+        return "has a data-dependent output shape, which a graph cannot replay"
+    if any(str(r.type) in ("bool", "int", "float", "Scalar", "SymInt") for r in func._schema.returns):
+        return "returns a host value computed from device data"
+    ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if any(t.device.type != "cpu" for t in ins) and any(t.device.type == "cpu" for t in outs):
+        return "copies device memory to the host, a synchronization a graph cannot record"
+    return None
+
+
+class _Op:
+    __slots__ = ("func", "args", "kwargs", "fresh")
+
+    def __init__(self, func, args, kwargs, fresh) -> None:
+        self.func, self.args, self.kwargs, self.fresh = func, args, kwargs, fresh
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[_Op] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        why = _illegal(func, args, out)
+        if why is not None:
+            raise CaptureError(f"operation illegal under graph capture: {func._schema.name} {why}",
+                               buffer=None, expected="device-only work with static shapes",
+                               found=f"{func._schema.name} at {_user_frame()}", where=_user_frame(),
+                               fix="keep host logic out of the captured forward (compute it before the call), "
+                                   "or run this bucket eagerly")
+        # Outputs that alias an input (in-place, out=, views) need no copy on replay; the rest
+        # receive the replayed result in the capture-time tensor.
+        returns = func._schema.returns
+        flat, _ = tree_flatten(out)
+        fresh = []
+        if len(returns) == 1 and isinstance(out, (list, tuple)):  # Tensor[] returns: one schema entry
+            aliased = returns[0].alias_info is not None
+            fresh = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and not aliased]
+        else:
+            for i, t in enumerate(flat):
+                if isinstance(t, torch.Tensor) and (i >= len(returns) or returns[i].alias_info is None):
+                    fresh.append(i)
+        self.ops.append(_Op(func, args, kwargs, tuple((i, flat[i]) for i in fresh)))
+        return out
+
+
+class EmulatedGraph:
+    """A recorded op list replayed onto its capture-time storages."""
+
+    def __init__(self, ops: list[_Op]) -> None:
+        self._ops = ops
+        seen: dict[int, int] = {}
+        for op in ops:
+            for _, t in op.fresh:
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        self.pool_bytes = sum(seen.values())
+
+    @property
+    def node_count(self) -> int:
+        return len(self._ops)
+
+    def replay(self) -> None:
+        with torch.no_grad():
+            for op in self._ops:
+                res = op.func(*op.args, **op.kwargs)
+                if op.fresh:
+                    flat, _ = tree_flatten(res)
+                    for i, t in op.fresh:
+                        t.copy_(flat[i])
+
+    def op_names(self) -> list[str]:
+        return [op.func._schema.name for op in self._ops]
+
+
+class EmulatedBackend:
+    """Runs anywhere; what CI tests capture semantics with. See :class:`CudaBackend` for the
+    interface both backends share."""
+
+    name = "emulated"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def new_pool(self) -> None:
+        return None
+
+    def warmup(self, body: Callable[[], Any]) -> Any:
+        return body()
+
+    def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int) -> tuple[EmulatedGraph, Any]:
+        """Record ``body(mark)``, where ``mark()`` is the number of ops recorded so far."""
+        rec = _Recorder()
+        try:
+            with recording(), rec:
+                out = body(lambda: len(rec.ops))
+        except CaptureError as exc:
+            exc.add_note(f"graphctl: capture of bucket {bucket} dropped; nothing replayable was kept")
+            raise
+        except BaseException as exc:
+            raise CaptureError.from_body(bucket, exc) from exc
+        return EmulatedGraph(rec.ops), out
+
+    def synchronize(self) -> None:
+        pass
+

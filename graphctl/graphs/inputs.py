@@ -1,0 +1,134 @@
+"""Static inputs and buckets: how a live batch of size ``n`` is mapped onto a captured graph.
+
+A :class:`StaticInput` names a forward argument that changes every call (token ids,
+positions). The runner allocates its static buffer once, at the largest bucket, copies the
+live rows into ``[:rows]`` before each replay and applies the input's padding policy to
+``[rows:bucket_rows]``, so a smaller batch never sees the previous call's tail.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Iterable, Sequence
+
+import torch
+
+from graphctl.errors import DeclarationError, ReplayError
+from graphctl.state import Pad
+
+__all__ = ["StaticInput", "Buckets", "DEFAULT_BUCKETS"]
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StaticInput:
+    """A forward argument copied into a static buffer before every replay.
+
+    ``per_item`` rows along ``dim`` belong to one batch item (``k + 1`` tokens per request in
+    a target forward); ``pad`` fills ``[rows:bucket_rows]`` (zero by default: a valid index)."""
+
+    name: str
+    per_item: int = 1
+    dim: int = 0
+    pad: Pad = Pad.zero()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise DeclarationError("StaticInput needs an argument name", expected="a non-empty str", found=self.name,
+                                   fix="write StaticInput('input_ids')")
+        if not isinstance(self.per_item, int) or self.per_item < 1:
+            raise DeclarationError("StaticInput.per_item must be a positive int", buffer=self.name,
+                                   expected="an int >= 1", found=self.per_item,
+                                   fix="rows per batch item along dim, e.g. k + 1 tokens per request")
+        if self.dim < 0:
+            raise DeclarationError("StaticInput.dim must be non-negative", buffer=self.name, expected=">= 0",
+                                   found=self.dim, fix="count dimensions from the front")
+
+    @classmethod
+    def of(cls, spec: "str | StaticInput") -> "StaticInput":
+        return spec if isinstance(spec, StaticInput) else cls(spec)
+
+    def rows(self, t: torch.Tensor) -> int:
+        return t.shape[self.dim]
+
+    def allocate(self, example: torch.Tensor, max_bucket: int) -> torch.Tensor:
+        """The static buffer: ``example``'s dtype, device and other dims; ``max_bucket`` items."""
+        if not isinstance(example, torch.Tensor):
+            raise DeclarationError("a static input is not a tensor", buffer=self.name, expected="torch.Tensor",
+                                   found=type(example).__name__, fix="list only tensor arguments in inputs=")
+        if example.dim() <= self.dim:
+            raise DeclarationError("a static input has no batch dimension", buffer=self.name,
+                                   expected=f"at least {self.dim + 1} dims", found=tuple(example.shape),
+                                   fix="set StaticInput(dim=...) to the batch dimension")
+        shape = list(example.shape)
+        shape[self.dim] = max_bucket * self.per_item
+        buf = torch.empty(shape, dtype=example.dtype, device=example.device)
+        self.pad.apply(buf)  # never leave uninitialised memory for a warmup to read
+        return buf
+
+    def fits(self, live: torch.Tensor, static: torch.Tensor, n: int) -> bool:
+        """The hot-path form of :meth:`check` (no error built)."""
+        shape, sshape, d = live.shape, static.shape, self.dim
+        return (live.dtype == static.dtype and live.device == static.device and len(shape) == len(sshape)
+                and shape[d] == n * self.per_item and shape[:d] == sshape[:d] and shape[d + 1:] == sshape[d + 1:])
+
+    def check(self, live: object, static: torch.Tensor, n: int) -> ReplayError | None:
+        """Why ``live`` cannot be copied into ``static`` for a batch of ``n`` (None if it can)."""
+        if not isinstance(live, torch.Tensor):
+            return ReplayError("static input is not a tensor", buffer=self.name, expected="torch.Tensor",
+                               found=type(live).__name__, fix="pass a tensor for this argument")
+        want = list(static.shape)
+        want[self.dim] = n * self.per_item
+        if live.dtype != static.dtype or live.device != static.device or list(live.shape) != want:
+            return ReplayError("live input does not fit its static buffer", buffer=self.name,
+                               expected=f"{tuple(want)} {static.dtype} on {static.device}",
+                               found=f"{tuple(live.shape)} {live.dtype} on {live.device}",
+                               fix="pass inputs shaped like the capture's example (only the batch dimension may "
+                                   "vary), or capture again with such an example")
+        return None
+
+    def load(self, static: torch.Tensor, live: torch.Tensor, n: int, bucket: int) -> None:
+        """Copy ``live`` into ``[:rows]`` and pad ``[rows:bucket_rows]``."""
+        rows, brows = n * self.per_item, bucket * self.per_item
+        if self.dim == 0:
+            static[:rows].copy_(live)
+            if brows > rows:
+                self.pad.apply(static[rows:brows])
+        else:
+            static.narrow(self.dim, 0, rows).copy_(live)
+            if brows > rows:
+                self.pad.apply(static.narrow(self.dim, rows, brows - rows))
+
+    def view(self, static: torch.Tensor, bucket: int) -> torch.Tensor:
+        return static.narrow(self.dim, 0, bucket * self.per_item)
+
+
+class Buckets:
+    """Sorted capture sizes; ``pick(n)`` is the smallest bucket >= n (None past the largest)."""
+
+    __slots__ = ("sizes", "_table")
+
+    def __init__(self, sizes: Iterable[int]) -> None:
+        raw = list(sizes)
+        if not raw or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in raw):
+            raise DeclarationError("buckets must be positive ints", expected="e.g. [1, 2, 4, 8]", found=raw,
+                                   fix="list the batch sizes to capture")
+        self.sizes: tuple[int, ...] = tuple(sorted(set(raw)))
+        # A lookup table makes pick() one index on the hot path (buckets are small numbers).
+        self._table = [self.sizes[bisect.bisect_left(self.sizes, n)] for n in range(self.sizes[-1] + 1)]
+
+    @property
+    def largest(self) -> int:
+        return self.sizes[-1]
+
+    def pick(self, n: int) -> int | None:
+        return self._table[n] if 0 < n <= self.sizes[-1] else None
+
+    def coverage(self, batch_sizes: Sequence[int]) -> dict[int, list[int]]:
+        """Which of ``batch_sizes`` each bucket serves (``0`` collects the ones none serves)."""
+        out: dict[int, list[int]] = {b: [] for b in self.sizes}
+        out[0] = []
+        for n in batch_sizes:
+            out[self.pick(n) or 0].append(n)
+        return out

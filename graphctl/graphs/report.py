@@ -1,0 +1,90 @@
+"""What a :class:`~graphctl.graphs.runner.GraphRunner` reports about its graphs.
+
+``runner.report()`` returns a :class:`Report`; ``str(report)`` is a table, ``report.to_dict()``
+the JSON form documented in ``docs/user-guide.md`` (``schema`` names its version)::
+
+    {"schema": "graphctl.report/1", "function": "...", "backend": "cuda" | "emulated",
+     "device": "...", "torch": "...", "fallbacks": {"<reason>": count},
+     "buckets": [{"bucket": 8, "capture_ms": 12.5, "pool_bytes": 2097152, "nodes": 41,
+                  "replay_us": 31.0 | null, "eager_us": 212.0 | null, "replays": 3,
+                  "segments": [{"name": "target", "start": 0, "end": 30}, ...]}]}
+
+``nodes`` and segment bounds count graph nodes (CUDA) or recorded ops (emulated); -1 where
+cuda-bindings is missing. ``replay_us``/``eager_us`` are medians from ``runner.measure()``,
+null until it ran.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from typing import Any
+
+__all__ = ["Segment", "BucketReport", "Report", "SCHEMA"]
+
+SCHEMA = "graphctl.report/1"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Segment:
+    """A named part of one capture, ``[start, end)`` in nodes or recorded ops."""
+
+    name: str
+    start: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BucketReport:
+    bucket: int
+    capture_ms: float
+    pool_bytes: int
+    nodes: int
+    replay_us: float | None
+    eager_us: float | None
+    replays: int
+    segments: tuple[Segment, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Report:
+    function: str
+    backend: str
+    device: str
+    torch: str
+    buckets: tuple[BucketReport, ...]
+    fallbacks: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["schema"] = SCHEMA
+        return d
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    def table(self):
+        from rich.table import Table
+
+        t = Table(title=f"{self.function}: {self.backend} graphs on {self.device} (torch {self.torch})")
+        for col in ("bucket", "capture ms", "pool MiB", "nodes", "segments", "replay us", "eager us", "speedup"):
+            t.add_column(col, justify="right" if col != "segments" else "left")
+        for b in self.buckets:
+            speed = f"{b.eager_us / b.replay_us:.2f}x" if b.replay_us and b.eager_us else "-"
+            segs = " ".join(f"{s.name}:{s.end - s.start}" for s in b.segments)
+            t.add_row(str(b.bucket), f"{b.capture_ms:.1f}", f"{b.pool_bytes / 2**20:.2f}", str(b.nodes), segs,
+                      _us(b.replay_us), _us(b.eager_us), speed)
+        return t
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        buf = io.StringIO()
+        Console(file=buf, width=120, color_system=None).print(self.table())
+        if self.fallbacks:
+            buf.write("eager fallbacks: " + "; ".join(f"{r} (x{c})" for r, c in self.fallbacks.items()) + "\n")
+        return buf.getvalue()
+
+
+def _us(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"

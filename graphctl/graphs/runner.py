@@ -1,0 +1,497 @@
+"""The graph runner: buckets, static inputs, two-pass capture, transactional replay.
+
+A :class:`GraphRunner` wraps a forward function. ``capture_all(*example)`` (or the first call)
+warms every bucket up eagerly, then captures from the largest bucket down into one shared
+pool; a call with a batch of ``n`` then picks the smallest bucket ``>= n``, copies the live
+inputs into the static ones, pads every declared tail, checks the address manifest, replays
+(inside ``state.switch("draft", phase="refresh")``, the draft twins' refreshes, when the capture
+holds a draft segment) and returns the outputs sliced to ``n``. ``refresh`` rather than
+``replay``: a ``replay`` switch also snapshots the ``mutable`` buffers and would undo, on exit,
+what the graph itself wrote to them.
+
+Constraints (each is checked, and a violation raises a typed error):
+
+- The forward must be capturable: static shapes per bucket, no host reads of device values,
+  no allocation that later calls expect to see; the emulated backend names the offending
+  file:line. Non-input arguments are frozen at capture: a later call must pass the same
+  objects (tensors at the same address, equal scalars) or get ``ReplayError``.
+- Inside the forward, enter the draft role with ``state.switch("draft")`` (phase ``auto``):
+  warmups run it eagerly, the capture records it, eager fallbacks run it eagerly.
+- Buffers declared ``mutable`` are snapshotted before every warmup, capture and measuring
+  run and restored after it, so those runs never accumulate into live state.
+- Returned tensors are views of the graph's static outputs: the next call overwrites them;
+  clone what you keep. The forward must not write its static inputs.
+- One runner per device; graphs share one memory pool and are captured largest first, so
+  only replay them in any order when the forward frees nothing it allocated (the usual case
+  for a forward whose outputs are kept by the graph).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import inspect
+import logging
+import time
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from graphctl.debug import knobs
+from graphctl.errors import CaptureError, DeclarationError, ReplayError
+from graphctl.graphs.backends import select_backend
+from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
+from graphctl.graphs.report import BucketReport, Report, Segment
+from graphctl.state import BoundState, bind
+
+__all__ = ["GraphRunner"]
+
+log = logging.getLogger("graphctl")
+_SCALARS = (int, float, bool, str, type(None))
+
+
+class _Captured:
+    """One bucket's graph and everything its replay relies on."""
+
+    __slots__ = ("graph", "out_flat", "out_spec", "out_rows", "single", "manifest", "segments", "draft",
+                 "checked", "capture_ms", "replays", "replay_us", "eager_us")
+
+    def __init__(self, graph, out, bucket: int, manifest: dict[str, int], segments: tuple[Segment, ...],
+                 capture_ms: float) -> None:
+        self.graph = graph
+        self.out_flat, self.out_spec = tree_flatten(out)
+        self.single = isinstance(out, torch.Tensor)
+        # rows per batch item of each output's first dim, or None: that output is not sliced
+        self.out_rows = tuple(t.shape[0] // bucket if isinstance(t, torch.Tensor) and t.dim() and
+                              t.shape[0] % bucket == 0 else None for t in self.out_flat)
+        self.manifest = manifest
+        self.segments = segments
+        self.draft = any(s.name.startswith("draft") for s in segments)
+        self.checked = False
+        self.capture_ms = capture_ms
+        self.replays = 0
+        self.replay_us: float | None = None
+        self.eager_us: float | None = None
+
+    def outputs(self, n: int) -> Any:
+        if self.single:
+            r = self.out_rows[0]
+            return self.out_flat[0] if r is None else self.out_flat[0][: n * r]
+        leaves = [t if r is None else t[: n * r] for t, r in zip(self.out_flat, self.out_rows)]
+        return tree_unflatten(leaves, self.out_spec)
+
+
+class _MutableGuard:
+    """Snapshot the state's ``mutable`` buffers on entry and put them back on exit."""
+
+    def __init__(self, state: BoundState | None) -> None:
+        names = state.mutable_names() if state is not None else ()
+        self._live = [state.tensor(n) for n in names]
+        self._saved = [t.clone() for t in self._live]
+
+    def __enter__(self) -> None:
+        for s, t in zip(self._saved, self._live):
+            s.copy_(t)
+
+    def __exit__(self, *exc) -> None:
+        for s, t in zip(self._saved, self._live):
+            t.copy_(s)
+
+
+@contextlib.contextmanager
+def _gc_frozen() -> Iterator[None]:
+    # A collection during capture can run __del__ of tensors (frees inside the capture's pool)
+    # and costs seconds across many buckets; collect once, then hold it off.
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+class GraphRunner:
+    """Captured graphs of ``fn``, one per bucket. Build it with :func:`graphctl.graphed`.
+
+    Arguments: ``buckets`` (batch sizes to capture), ``state`` (a :class:`BoundState` or an
+    object to bind), ``inputs`` (argument names or :class:`StaticInput`; ``None``: every
+    tensor argument, batch on dim 0), ``backend`` (``auto``, ``cuda``, ``emulated``),
+    ``fallback`` (``"error"``: a batch that no graph can serve raises ``ReplayError``;
+    ``"eager"``: it runs ``fn`` eagerly and logs why), ``pad_axes`` (state axis -> rows per
+    batch item for ``state.pad``; default ``{"seq": 1, "token": <first input's per_item>}``),
+    ``warmup_iters`` (eager runs per bucket before capture), ``progress`` (a progress bar;
+    ``None``: when stderr is a terminal). See the module docstring for the constraints."""
+
+    def __init__(self, fn: Callable[..., Any], *, buckets: Sequence[int] = DEFAULT_BUCKETS, state: Any = None,
+                 inputs: Sequence[str | StaticInput] | None = None, backend: str = "auto", fallback: str = "error",
+                 pad_axes: Mapping[str, int] | None = None, warmup_iters: int = 2, progress: bool | None = None) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.buckets = Buckets(buckets)
+        self.state = state if state is None or isinstance(state, BoundState) else bind(state)
+        if fallback not in ("error", "eager"):
+            raise DeclarationError("unknown fallback", expected="'error' or 'eager'", found=fallback,
+                                   fix="fallback='eager' runs unservable batches eagerly (logged); 'error' raises")
+        self.fallback = fallback
+        self.backend_name = backend
+        self.warmup_iters = int(warmup_iters)
+        self.progress = progress
+        self._sig = inspect.signature(fn)
+        self._params = list(self._sig.parameters)
+        self._pos = {p: i for i, p in enumerate(self._params)}
+        self._declared = None if inputs is None else tuple(StaticInput.of(i) for i in inputs)
+        self._inputs: tuple[StaticInput, ...] | None = self._declared
+        for si in self._declared or ():
+            if si.name not in self._pos:
+                raise DeclarationError("static input is not a parameter of the forward", buffer=si.name,
+                                       expected=f"one of {self._params}", found=si.name, fix="fix the name in inputs=")
+        self._pad_axes = dict(pad_axes) if pad_axes is not None else None
+        self._graphs: dict[int, _Captured] = {}
+        self._statics: dict[str, torch.Tensor] = {}
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+        self._frozen: dict[str, Any] = {}
+        self._fallbacks: dict[str, int] = {}
+        self._backend: Any = None
+        self._refreshes = False
+        self._guard: _MutableGuard | None = None
+        self._example: tuple[tuple, dict] | None = None
+
+    # ------------------------------------------------------------------------ arguments
+
+    def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        ba = self._sig.bind(*args, **kwargs)
+        ba.apply_defaults()
+        return ba.arguments
+
+    def _arg(self, args: tuple, kwargs: dict, name: str) -> Any:
+        i = self._pos[name]
+        if i < len(args):
+            return args[i]
+        if name in kwargs:
+            return kwargs[name]
+        return self._sig.parameters[name].default
+
+    def _batch(self, args: tuple, kwargs: dict) -> tuple[int, list[Any]]:
+        lives = [self._arg(args, kwargs, si.name) for si in self._inputs]
+        first, live = self._inputs[0], lives[0]
+        if not isinstance(live, torch.Tensor) or live.dim() <= first.dim or live.shape[first.dim] % first.per_item:
+            raise ReplayError("cannot read the batch size from the first static input", buffer=first.name,
+                              expected=f"a tensor with a multiple of {first.per_item} rows along dim {first.dim}",
+                              found=tuple(live.shape) if isinstance(live, torch.Tensor) else type(live).__name__,
+                              fix="pass whole batch items (per_item rows each)")
+        return live.shape[first.dim] // first.per_item, lives
+
+    def _call_args(self, arguments: dict[str, Any], bucket: int) -> tuple[tuple, dict]:
+        return self._assemble({**arguments, **self._views[bucket]})
+
+    def _assemble(self, values: dict[str, Any]) -> tuple[tuple, dict]:
+        args, kwargs = [], {}
+        for name, p in self._sig.parameters.items():
+            if name not in values:
+                continue
+            v = values[name]
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                args.append(v)
+            elif p.kind is p.VAR_POSITIONAL:
+                args.extend(v)
+            elif p.kind is p.VAR_KEYWORD:
+                kwargs.update(v)
+            else:
+                kwargs[name] = v
+        return tuple(args), kwargs
+
+    # -------------------------------------------------------------------------- capture
+
+    def _setup(self, arguments: dict[str, Any]) -> int:
+        if self._inputs is None:
+            self._inputs = tuple(StaticInput(n) for n, v in arguments.items() if isinstance(v, torch.Tensor))
+        if not self._inputs:
+            raise DeclarationError("the forward has no static input", expected="at least one tensor argument",
+                                   found=list(arguments), fix="declare inputs=('input_ids', ...)")
+        for si in self._inputs:
+            self._statics[si.name] = si.allocate(arguments[si.name], self.buckets.largest)
+        first = self._inputs[0]
+        if self._pad_axes is None:
+            self._pad_axes = {"seq": 1, "token": first.per_item}
+        device = self._statics[first.name].device
+        self._backend = select_backend(self.backend_name, device)
+        self._guard = _MutableGuard(self.state)
+        # the replay-time refreshes of draft twins; a spec without any needs no switch around replay
+        self._refreshes = self.state is not None and bool(self.state.snapshot_names("refresh"))
+        static_names = {si.name for si in self._inputs}
+        self._frozen = {n: v for n, v in arguments.items() if n not in static_names}
+        self._views = {b: {si.name: si.view(self._statics[si.name], b) for si in self._inputs}
+                       for b in self.buckets.sizes}
+        n, lives = self._batch((), arguments)
+        for si, live in zip(self._inputs, lives):
+            err = si.check(live, self._statics[si.name], n)
+            if err is not None:
+                raise err
+        return n
+
+    def _load(self, lives: list[torch.Tensor], n: int, bucket: int) -> None:
+        for si, live in zip(self._inputs, lives):
+            si.load(self._statics[si.name], live, n, bucket)
+        if self.state is not None:
+            self.state.pad({a: n * m for a, m in self._pad_axes.items()})
+
+    def _load_example(self, arguments: dict[str, Any], n: int, bucket: int) -> None:
+        m = min(n, bucket)
+        lives = [arguments[si.name].narrow(si.dim, 0, m * si.per_item) for si in self._inputs]
+        self._load(lives, m, bucket)
+
+    def capture_all(self, *args: Any, **kwargs: Any) -> "GraphRunner":
+        """Warm every bucket up eagerly, then capture them largest first into one pool.
+
+        The example call fixes dtypes, devices, non-batch dims and every non-input argument;
+        its first ``min(n, bucket)`` items fill each bucket's inputs, the rest is padding."""
+        if self._graphs:
+            raise CaptureError("graphs are already captured", expected="one capture_all per runner",
+                               found=f"buckets {sorted(self._graphs)}", fix="call reset() first to capture again")
+        arguments = self._arguments(args, kwargs)
+        n = self._setup(arguments)
+        self._example = (args, kwargs)
+        be = self._backend
+        order = sorted(self.buckets.sizes, reverse=True)
+        with _gc_frozen(), self._progress() as bar:
+            task = bar.add_task("warmup", total=2 * len(order)) if bar else None
+            for b in order:  # pass 1: every workspace reaches its high-water mark before any capture
+                self._load_example(arguments, n, b)
+                call = self._call_args(arguments, b)
+                for _ in range(self.warmup_iters):
+                    with self._guard:
+                        be.warmup(lambda: self.fn(*call[0], **call[1]))
+                if bar:
+                    bar.update(task, advance=1, description=f"warmup bucket {b}")
+            be.synchronize()
+            pool = be.new_pool()
+            t_start = time.perf_counter()
+            for b in order:  # pass 2: largest first, so smaller graphs reuse its pool blocks
+                self._load_example(arguments, n, b)
+                self._capture_one(b, arguments, pool)
+                if bar:
+                    pool_mib = sum(c.graph.pool_bytes for c in self._graphs.values()) / 2**20
+                    bar.update(task, advance=1, description=f"captured bucket {b} "
+                               f"({time.perf_counter() - t_start:.1f}s, pool {pool_mib:.1f} MiB)")
+        return self
+
+    def _capture_one(self, bucket: int, arguments: dict[str, Any], pool: Any) -> None:
+        call = self._call_args(arguments, bucket)
+        marks: list[tuple[str, int]] = []
+
+        def body(mark: Callable[[], int]) -> Any:
+            def observe(role: str, phase: str, event: str) -> None:
+                if phase == "capture":
+                    marks.append((event, mark()))
+            if self.state is None:
+                return self.fn(*call[0], **call[1])
+            with self.state.observe(observe):
+                return self.fn(*call[0], **call[1])
+
+        t0 = time.perf_counter()
+        with self._guard:
+            graph, out = self._backend.capture(body, pool, bucket)
+        ms = (time.perf_counter() - t0) * 1e3
+        self._graphs[bucket] = _Captured(graph, out, bucket, self._manifest(bucket),
+                                         _segments(marks, graph.node_count), ms)
+
+    def _manifest(self, bucket: int) -> dict[str, int]:
+        man = {f"input:{n}": v.data_ptr() for n, v in self._views[bucket].items()}
+        if self.state is not None:
+            man.update(self.state.addresses())
+        return man
+
+    def _progress(self):
+        show = self.progress
+        if show is None:
+            import sys
+            show = sys.stderr.isatty()
+        if not show:
+            return contextlib.nullcontext(None)
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        return Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(), transient=True)
+
+    def reset(self) -> None:
+        """Drop every graph (and the static inputs); the next call captures again."""
+        self._graphs.clear()
+        self._statics.clear()
+        self._views.clear()
+        self._inputs = self._declared
+        self._example = None
+
+    # --------------------------------------------------------------------------- replay
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._graphs:
+            self.capture_all(*args, **kwargs)
+        n, lives = self._batch(args, kwargs)
+        bucket = self.buckets.pick(n)
+        if bucket is None:
+            return self._unservable(args, kwargs, ReplayError(
+                "batch size outside the captured buckets", expected=f"1 <= n <= {self.buckets.largest}",
+                found=f"n = {n}", fix="add a larger bucket, split the batch, or pass fallback='eager'"))
+        for si, live in zip(self._inputs, lives):
+            static = self._statics[si.name]
+            if not si.fits(live, static, n):
+                return self._unservable(args, kwargs, si.check(live, static, n))
+        err = self._check_frozen(args, kwargs)
+        if err is not None:
+            return self._unservable(args, kwargs, err)
+        cap = self._graphs[bucket]
+        for si, live in zip(self._inputs, lives):
+            si.load(self._statics[si.name], live, n, bucket)
+        if self.state is not None:
+            self.state.pad({a: n * m for a, m in self._pad_axes.items()})
+        if not cap.checked or knobs.check_manifest:
+            self._check_manifest(cap, bucket)
+        self._replay(cap)
+        return cap.outputs(n)
+
+    def _replay(self, cap: _Captured) -> None:
+        if cap.draft and self._refreshes:
+            with self.state.switch("draft", phase="refresh"):
+                cap.graph.replay()
+        else:
+            cap.graph.replay()
+        cap.replays += 1
+
+    def _unservable(self, args: tuple, kwargs: dict, err: ReplayError) -> Any:
+        if self.fallback == "error":
+            raise err
+        reason = str(err)
+        self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
+        log.warning("graphctl: %s runs eagerly: %s", getattr(self.fn, "__qualname__", self.fn), reason)
+        return self.fn(*args, **kwargs)
+
+    def _check_frozen(self, args: tuple, kwargs: dict) -> ReplayError | None:
+        for name, want in self._frozen.items():
+            live = self._arg(args, kwargs, name)
+            if live is want:
+                continue
+            if isinstance(want, torch.Tensor) and isinstance(live, torch.Tensor):
+                if live.data_ptr() == want.data_ptr() and live.shape == want.shape and live.dtype == want.dtype:
+                    continue
+                found = f"{tuple(live.shape)} {live.dtype} at {live.data_ptr():#x}"
+                expected = f"{tuple(want.shape)} {want.dtype} at {want.data_ptr():#x}"
+            elif isinstance(want, _SCALARS) and type(live) is type(want) and live == want:
+                continue
+            else:
+                found, expected = _describe(live), _describe(want)
+            return ReplayError("a frozen argument differs from the capture", buffer=name,
+                               expected=f"{expected} (baked into the graph)", found=found,
+                               fix="pass the captured object, declare the argument in inputs=, or reset() and "
+                                   "capture again")
+        return None
+
+    def _check_manifest(self, cap: _Captured, bucket: int) -> None:
+        live = {f"input:{n}": v.data_ptr() for n, v in self._views[bucket].items()}
+        if self.state is not None:
+            live.update(self.state.live_addresses())
+        for name, want in cap.manifest.items():
+            got = live.get(name)
+            if got != want:
+                raise ReplayError("static buffer moved since capture", buffer=name, expected=f"{want:#x}",
+                                  found="not a tensor" if got is None else f"{got:#x}",
+                                  fix="write into the buffer in place (state.write / copy_) instead of rebinding "
+                                      "it, or reset() and capture again")
+        cap.checked = True
+
+    # ------------------------------------------------------------------------- measure
+
+    def measure(self, iters: int = 20) -> "GraphRunner":
+        """Median time of the whole graphed call and of the eager forward, per bucket, on the
+        example's first ``min(n, bucket)`` items (mutable buffers restored afterwards)."""
+        if self._example is None:
+            raise CaptureError("nothing captured yet", expected="capture_all() or a call first", found="no graphs",
+                               fix="call capture_all(*example) before measure()")
+        arguments = self._arguments(*self._example)
+        n = self._batch((), arguments)[0]
+        for b, cap in sorted(self._graphs.items()):
+            m = min(n, b)
+            live = dict(arguments)
+            for si in self._inputs:
+                live[si.name] = arguments[si.name].narrow(si.dim, 0, m * si.per_item)
+            args, kwargs = self._assemble(live)
+            with self._guard:
+                cap.replay_us = _median_us(self._backend, lambda: self(*args, **kwargs), iters)
+                cap.eager_us = _median_us(self._backend, lambda: self.fn(*args, **kwargs), iters)
+        return self
+
+    def report(self) -> Report:
+        """Per bucket: capture ms, pool bytes, nodes, segments, replay/eager µs (see ``report`` module)."""
+        be = self._backend
+        rows = tuple(BucketReport(b, c.capture_ms, c.graph.pool_bytes, c.graph.node_count, c.replay_us, c.eager_us,
+                                  c.replays, c.segments) for b, c in sorted(self._graphs.items()))
+        device = str(be.device) if be is not None else "-"
+        if be is not None and be.device.type == "cuda":
+            device = f"{device} ({torch.cuda.get_device_name(be.device)})"
+        return Report(getattr(self.fn, "__qualname__", repr(self.fn)), be.name if be is not None else "-", device,
+                      torch.__version__, rows, dict(self._fallbacks))
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    def static_input(self, name: str) -> torch.Tensor:
+        """The static buffer behind input ``name`` (tests poison its padding with it)."""
+        return self._statics[name]
+
+    def graph(self, bucket: int) -> Any:
+        """The backend graph of ``bucket`` (``.replay()``, ``.node_count``, ``.pool_bytes``)."""
+        return self._graphs[bucket].graph
+
+    def outputs(self, bucket: int) -> list[torch.Tensor]:
+        """The static output tensors of ``bucket``'s graph (tests poison them before replay)."""
+        return [t for t in self._graphs[bucket].out_flat if isinstance(t, torch.Tensor)]
+
+    def segments(self, bucket: int) -> tuple[Segment, ...]:
+        return self._graphs[bucket].segments
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{tuple(v.shape)} {v.dtype} at {v.data_ptr():#x}"
+    if isinstance(v, _SCALARS):
+        return repr(v)
+    return f"{type(v).__qualname__} object at {id(v):#x}"
+
+
+def _segments(marks: list[tuple[str, int]], total: int) -> tuple[Segment, ...]:
+    """Turn switch enter/exit marks into named segments: target, draft (or draft[i]), post."""
+    segs, cursor, drafts = [], 0, sum(1 for e, _ in marks if e == "enter")
+    i = 0
+    for event, at in marks:
+        if event == "enter":
+            if at > cursor or not segs:
+                segs.append(Segment("target" if i == 0 else "post", cursor, at))
+            cursor = at
+        else:
+            segs.append(Segment("draft" if drafts == 1 else f"draft[{i}]", cursor, at))
+            cursor, i = at, i + 1
+    if total > cursor or not segs:
+        segs.append(Segment("target" if not marks else "post", cursor, max(total, cursor)))
+    return tuple(segs)
+
+
+def _median_us(be: Any, fn: Callable[[], Any], iters: int) -> float:
+    fn()  # settle caches and lazy work
+    samples = []
+    if be.device.type == "cuda":
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            samples.append(a.elapsed_time(b) * 1e3)
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e6)
+    samples.sort()
+    return samples[len(samples) // 2]

@@ -1,0 +1,56 @@
+"""Where a switch runs: eagerly, under a capture (CUDA stream capture or the emulated
+recorder), or around a replay; and whether a CUDA capture is still alive.
+
+The graphs layer announces its emulated recorder through :func:`recording`; the state layer
+never imports the graphs layer, it only reads this flag."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator
+
+import torch
+
+__all__ = ["recording", "capturing", "resolve_phase", "capture_invalidated"]
+
+_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphctl_recording", default=False)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[None]:
+    """Mark a region as a capture that is not a CUDA stream capture (the emulated recorder)."""
+    token = _RECORDING.set(True)
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
+
+
+def capturing(device: torch.device) -> bool:
+    """True under the emulated recorder, or when ``device`` is CUDA and the current stream is
+    capturing (an invalidated capture still counts: it must be ended, not forgotten)."""
+    if _RECORDING.get():
+        return True
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def resolve_phase(phase: str, device: torch.device) -> str:
+    """``"auto"`` becomes ``"capture"`` under a capture and ``"eager"`` otherwise, so one forward
+    body serves the warmup, the capture and an eager fallback unchanged."""
+    if phase != "auto":
+        return phase
+    return "capture" if capturing(device) else "eager"
+
+
+def capture_invalidated(device: torch.device) -> bool:
+    """True when the current CUDA stream's capture was invalidated (a host sync or an illegal
+    call in the body). Nothing recorded into it will ever run, so device work recorded by a
+    switch needs no undo; launching that undo would only fail and poison the state."""
+    if device.type != "cuda" or _RECORDING.get():
+        return False
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError:  # without cuda-bindings an invalidated capture is not told apart
+        return False
+    err, status = rt.cudaStreamIsCapturing(torch.cuda.current_stream(device).cuda_stream)
+    return int(err) == 0 and int(status) == int(rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusInvalidated)
