@@ -31,7 +31,7 @@ class Toy:
     def _forward(self, tokens, positions, meta):
         k1 = self.k + 1
         T = tokens.shape[0]
-        req = meta.req_idx_per_token[:T].long()
+        req = meta.req_idx_per_token[:T].long().clamp(0, self.S - 1)  # padded tokens map past the last request
         h = self.E[tokens] + positions[:, None].float() * 0.125
         h = torch.tanh(h @ self.W) + meta.kv_lens[req].float()[:, None] * 0.01
         last = h.view(T // k1, k1, self.H)[:, -1]  # one row per request

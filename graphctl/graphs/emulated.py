@@ -14,8 +14,9 @@ storages and ignores the Python code, as a CUDA graph would:
 Operations that a CUDA capture cannot hold raise :class:`~graphctl.errors.CaptureError` with
 the user's ``file:line``: host reads of device values (``.item()``, ``.tolist()``, ``bool(t)``,
 ``torch.equal``), data-dependent output shapes (``nonzero``, ``masked_select``, ``unique``) and
-device-to-host copies. A ``.cpu()`` of a tensor that already lives on the CPU does not reach the
-dispatcher, so on a CPU-only machine it is invisible here (the CUDA backend refuses it).
+device-to-host copies. ``.cpu()`` and ``.tolist()`` of a tensor that already lives on the CPU
+do not reach the dispatcher, so on a CPU-only machine they are invisible here; on CUDA tensors
+they are device-to-host copies and are refused (so is every host read under a CUDA capture).
 graphctl's own ops are recorded as single ops.
 """
 from __future__ import annotations
@@ -55,7 +56,10 @@ def _illegal(func: torch._ops.OpOverload, args: tuple, out: Any) -> str | None:
     if name in _HOST_READS:
         return _HOST_READS[name]
     if torch.Tag.dynamic_output_shape in func.tags or torch.Tag.data_dependent_output in func.tags:
-        return "has a data-dependent output shape, which a graph cannot replay"
+        # aten::index is tagged for its boolean-mask form; integer indices keep a static shape
+        if name != "aten::index" or any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                                        for i in args[1]):
+            return "has a data-dependent output shape, which a graph cannot replay"
     if any(str(r.type) in ("bool", "int", "float", "Scalar", "SymInt") for r in func._schema.returns):
         return "returns a host value computed from device data"
     ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]

@@ -82,12 +82,12 @@ class _Captured:
         return tree_unflatten(leaves, self.out_spec)
 
 
-class _MutableGuard:
-    """Snapshot the state's ``mutable`` buffers on entry and put them back on exit."""
+class _Guard:
+    """Snapshot some of a state's buffers on entry and put them back on exit (the snapshot
+    storage is allocated once, at construction)."""
 
-    def __init__(self, state: BoundState | None) -> None:
-        names = state.mutable_names() if state is not None else ()
-        self._live = [state.tensor(n) for n in names]
+    def __init__(self, state: BoundState | None, names: Callable[[BoundState], Sequence[str]]) -> None:
+        self._live = [state.tensor(n) for n in names(state)] if state is not None else []
         self._saved = [t.clone() for t in self._live]
 
     def __enter__(self) -> None:
@@ -156,7 +156,7 @@ class GraphRunner:
         self._fallbacks: dict[str, int] = {}
         self._backend: Any = None
         self._refreshes = False
-        self._guard: _MutableGuard | None = None
+        self._guard: _Guard | None = None
         self._example: tuple[tuple, dict] | None = None
 
     # ------------------------------------------------------------------------ arguments
@@ -218,7 +218,7 @@ class GraphRunner:
             self._pad_axes = {"seq": 1, "token": first.per_item}
         device = self._statics[first.name].device
         self._backend = select_backend(self.backend_name, device)
-        self._guard = _MutableGuard(self.state)
+        self._guard = _Guard(self.state, BoundState.mutable_names)
         # the replay-time refreshes of draft twins; a spec without any needs no switch around replay
         self._refreshes = self.state is not None and bool(self.state.snapshot_names("refresh"))
         static_names = {si.name for si in self._inputs}
@@ -256,7 +256,8 @@ class GraphRunner:
         self._example = (args, kwargs)
         be = self._backend
         order = sorted(self.buckets.sizes, reverse=True)
-        with _gc_frozen(), self._progress() as bar:
+        # Loading each bucket's example pads the state; the caller gets it back as it was.
+        with _Guard(self.state, BoundState.restorable_names), _gc_frozen(), self._progress() as bar:
             task = bar.add_task("warmup", total=2 * len(order)) if bar else None
             for b in order:  # pass 1: every workspace reaches its high-water mark before any capture
                 self._load_example(arguments, n, b)

@@ -326,8 +326,14 @@ class BoundState:
         return out
 
     def mutable_names(self) -> tuple[str, ...]:
-        """Device buffers declared ``mutable``: what a warmup or capture run may accumulate into."""
-        return tuple(n for n in self.plan.buffers if n in self.plan.mutable)
+        """Buffers declared ``mutable`` and the derived buffers computed from them: what a
+        warmup or capture run may accumulate into."""
+        mutable = [n for n in self.plan.buffers if n in self.plan.mutable]
+        return tuple(mutable) + self.plan.closure(mutable)
+
+    def restorable_names(self) -> tuple[str, ...]:
+        """Every buffer except ``Stable`` scratch: what ``pad`` and a forward may change."""
+        return tuple(n for n, d in self.plan.buffers.items() if not d.stable)
 
     def snapshot_names(self, phase: str) -> tuple[str, ...]:
         return self.plan.phases[self._phase(phase)].snapshot

@@ -1,0 +1,217 @@
+"""The graphs layer on the emulated backend (CPU): replay equals eager at every bucket, padding
+never leaks, frozen addresses and arguments are checked, capture failures leave nothing
+behind, capture-illegal operations are named with their line, and the emulated recorder
+keeps CUDA-graph semantics (frozen rebinds, frozen host scalars, fresh tensors unseen)."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import graphctl
+from graphctl import CaptureError, ReplayError, StaticInput
+from graphctl.graphs import SCHEMA
+from graphcases import Toy, check_capture_failure_restores, check_replay_matches_eager
+
+
+@pytest.fixture
+def toy(gen):
+    return Toy("cpu", gen)
+
+
+def test_replay_equals_eager_at_every_bucket(toy, gen):
+    sizes = [int(torch.randint(1, 17, (1,), generator=gen)) for _ in range(6)] + [1, 2, 4, 8, 16, 3, 5]
+    check_replay_matches_eager(toy, sizes)
+    assert toy.forward.captured == (1, 2, 4, 8, 16)
+    assert sum(b.replays for b in toy.forward.report().buckets) == len(sizes)
+
+
+def test_shrinking_and_growing_batches_never_see_stale_padding(toy):
+    check_replay_matches_eager(toy, [16, 3, 9, 1, 16, 2, 15, 5])
+
+
+def test_segments_are_target_then_draft(toy):
+    check_replay_matches_eager(toy, [4])
+    segs = toy.forward.segments(4)
+    assert [s.name for s in segs] == ["target", "draft"]
+    assert segs[0].start == 0 and segs[0].end == segs[1].start and segs[1].end == toy.forward.graph(4).node_count
+    ops = toy.forward.graph(4).op_names()
+    assert ops[segs[1].start] == "graphctl::swap_through_" or "graphctl" not in "".join(ops)
+
+
+def test_draft_twin_refreshed_before_every_replay(toy, gen):
+    # The graph baked the draft twin's address; new draft-manager contents reach it only
+    # through the runner's refresh switch around replay.
+    check_replay_matches_eager(toy, [5])
+    pool = toy.meta.draft_kv_cache_manager.pool_indices
+    for _ in range(3):
+        tokens, positions = toy.batch(5)
+        pool.copy_(torch.randint(0, 1000, pool.shape, generator=gen, dtype=torch.int32))
+        _, want = toy.eager(tokens, positions)
+        _, got = toy.forward(tokens, positions, toy.meta)
+        torch.testing.assert_close(got.clone(), want)
+
+
+def test_mutable_buffers_do_not_accumulate_across_warmup_and_capture(gen):
+    # Regression: TensorRT-LLM's kv_lens_cuda += 1 accumulated across warmup and capture runs.
+    toy = Toy("cpu", gen)
+    st = toy.state
+
+    def step(tokens, positions, meta):
+        meta.kv_lens.add_(1)  # the graph mutates a mutable buffer every run
+        return tokens * 2
+
+    f = graphctl.graphed(step, buckets=[2, 4, 8], state=st, inputs=[StaticInput("tokens", per_item=3),
+                                                                    StaticInput("positions", per_item=3)],
+                         backend="emulated", warmup_iters=3, progress=False)
+    tokens, positions = toy.batch(3)
+    before = toy.meta.kv_lens.clone()
+    f.capture_all(tokens, positions, toy.meta)
+    assert torch.equal(toy.meta.kv_lens, before), "warmup/capture runs leaked into kv_lens"
+    f(tokens, positions, toy.meta)
+    assert torch.equal(toy.meta.kv_lens, before + 1), "a replay must keep what the graph writes"
+
+
+def test_capture_failure_restores_and_keeps_nothing(gen):
+    check_capture_failure_restores(lambda: Toy("cpu", gen), gen)
+
+
+def test_address_change_is_detected_before_first_replay(toy):
+    tokens, positions = toy.batch(3)
+    toy.forward.capture_all(tokens, positions, toy.meta)
+    toy.meta.slot_mapping = toy.meta.slot_mapping.clone()  # rebinding: the graph keeps reading the old storage
+    with pytest.raises(ReplayError, match="slot_mapping"):
+        toy.forward(tokens, positions, toy.meta)
+
+
+def test_address_change_after_first_replay_needs_the_debug_knob(toy):
+    tokens, positions = toy.batch(3)
+    toy.forward(tokens, positions, toy.meta)
+    toy.meta.seq_lens = toy.meta.seq_lens.clone()
+    with graphctl.debug.scope(check_manifest=True):
+        with pytest.raises(ReplayError, match="seq_lens"):
+            toy.forward(tokens, positions, toy.meta)
+
+
+def test_frozen_argument_checked_every_call(gen):
+    w = torch.randn(4, 4, generator=gen)
+
+    @graphctl.graphed(buckets=[2, 4], inputs=["x"], backend="emulated", progress=False)
+    def f(x, weight, scale=1.0):
+        return x @ weight * scale
+
+    x = torch.randn(3, 4, generator=gen)
+    torch.testing.assert_close(f(x, w).clone(), x @ w)
+    with pytest.raises(ReplayError, match="weight"):
+        f(x, w.clone())  # same values, another address: the graph would read the old one
+    with pytest.raises(ReplayError, match="scale"):
+        f(x, w, scale=2.0)  # a host scalar is baked into the graph
+
+
+def test_batch_beyond_largest_bucket_raises_or_falls_back_logged(gen, caplog):
+    w = torch.randn(4, 4, generator=gen)
+    strict = graphctl.graphed(lambda x: x @ w, buckets=[1, 2], backend="emulated", progress=False)
+    loose = graphctl.graphed(lambda x: x @ w, buckets=[1, 2], backend="emulated", fallback="eager", progress=False)
+    x = torch.randn(2, 4, generator=gen)
+    strict(x), loose(x)
+    big = torch.randn(5, 4, generator=gen)
+    with pytest.raises(ReplayError, match="n = 5"):
+        strict(big)
+    with caplog.at_level(logging.WARNING, logger="graphctl"):
+        out = loose(big)
+    torch.testing.assert_close(out, big @ w)
+    assert any("runs eagerly" in r.message and "n = 5" in r.message for r in caplog.records)
+    assert sum(loose.report().fallbacks.values()) == 1
+    with pytest.raises(ReplayError, match="does not fit"):
+        strict(torch.randn(2, 4, generator=gen).double())
+
+
+def test_bare_decorator_every_tensor_argument_is_an_input(gen):
+    w = torch.randn(4, 3, generator=gen)
+
+    @graphctl.graphed
+    def f(x, y):
+        return torch.relu(x @ w) + y
+
+    for n in (1, 7, 64, 200):
+        x, y = torch.randn(n, 4, generator=gen), torch.randn(n, 3, generator=gen)
+        torch.testing.assert_close(f(x, y).clone(), torch.relu(x @ w) + y)
+    assert f.captured == graphctl.graphs.DEFAULT_BUCKETS and isinstance(f, graphctl.GraphRunner)
+
+
+@pytest.mark.parametrize("body, op", [
+    (lambda x: x * float(x.sum()), "_local_scalar_dense"),
+    (lambda x: x[:, : int(x.argmax()) % 2 + 1], "_local_scalar_dense"),
+    (lambda x: x * 2 if bool((x > 0).any()) else x, "is_nonzero|_local_scalar_dense"),
+    (lambda x: x[torch.nonzero(x > 0)[:, 0]], "nonzero"),
+    (lambda x: x * 2 if torch.equal(x, x) else x, "equal"),
+], ids=["item", "int", "bool", "nonzero", "equal"])
+def test_capture_illegal_operations_are_named_with_their_line(body, op, gen):
+    f = graphctl.graphed(body, buckets=[2], backend="emulated", warmup_iters=0, progress=False)
+    with pytest.raises(CaptureError, match=op) as ei:
+        f(torch.randn(2, 3, generator=gen))
+    assert "test_graphs.py:" in ei.value.where, ei.value.where
+    assert f.captured == ()
+
+
+def test_emulated_replay_ignores_python_rebinding_and_fresh_tensors(gen):
+    # What a CUDA graph does: it reads the storages recorded at capture, nothing else.
+    holder = {"bias": torch.randn(3, generator=gen)}
+    scale = [2.0]
+
+    @graphctl.graphed(buckets=[4], backend="emulated", progress=False)
+    def f(x):
+        return x * scale[0] + holder["bias"]
+
+    x = torch.randn(4, 3, generator=gen)
+    bias0 = holder["bias"].clone()
+    torch.testing.assert_close(f(x).clone(), x * 2.0 + bias0)
+    holder["bias"] = torch.randn(3, generator=gen)  # a fresh tensor: never seen by the replay
+    scale[0] = 5.0  # a host scalar read at capture: frozen
+    x2 = torch.randn(4, 3, generator=gen)
+    torch.testing.assert_close(f(x2).clone(), x2 * 2.0 + bias0)
+
+
+def test_in_place_and_view_ops_replay_onto_the_same_storage(gen):
+    acc = torch.zeros(4, 3)
+    acc.add_(torch.randn(4, 3, generator=gen))
+
+    @graphctl.graphed(buckets=[4], backend="emulated", warmup_iters=0, progress=False)
+    def f(x):
+        v = acc.view(12)[:6]
+        v.mul_(2)
+        return (x + acc).t()
+
+    x = torch.randn(4, 3, generator=gen)
+    start = acc.clone()
+    out = f(x).clone()  # capture ran it once, then the call replayed it: two doublings of the view
+    want = start.clone()
+    want.view(12)[:6].mul_(4)
+    assert torch.equal(acc, want)
+    torch.testing.assert_close(out, (x + acc).t())
+
+
+def test_report_json_schema(toy):
+    check_replay_matches_eager(toy, [3])
+    toy.forward.measure(iters=3)
+    d = json.loads(toy.forward.report().to_json())
+    assert d["schema"] == SCHEMA and d["backend"] == "emulated" and d["device"] == "cpu"
+    assert [b["bucket"] for b in d["buckets"]] == [1, 2, 4, 8, 16]
+    for b in d["buckets"]:
+        assert set(b) == {"bucket", "capture_ms", "pool_bytes", "nodes", "replay_us", "eager_us", "replays",
+                          "segments"}
+        assert b["nodes"] > 0 and b["replay_us"] > 0 and b["eager_us"] > 0 and b["pool_bytes"] > 0
+        assert [s["name"] for s in b["segments"]] == ["target", "draft"]
+    text = str(toy.forward.report())
+    assert "bucket" in text and "emulated" in text
+
+
+def test_mutable_state_unchanged_by_measure(toy):
+    tokens, positions = toy.batch(3)
+    toy.forward(tokens, positions, toy.meta)
+    before = {n: toy.state.tensor(n).clone() for n in toy.state.mutable_names()}
+    toy.forward.measure(iters=2)
+    for n, t in before.items():
+        assert torch.equal(toy.state.tensor(n), t), n
