@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from graphctl.debug import knobs
 from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs.backends import select_backend
-from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
+from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, InputSlot, StaticInput
 from graphctl.graphs.report import BucketReport, Report, Segment
 from graphctl.state import BoundState, bind
 
@@ -55,7 +55,7 @@ class _Captured:
     """One bucket's graph and everything its replay relies on."""
 
     __slots__ = ("graph", "out_flat", "out_spec", "out_rows", "single", "manifest", "segments", "draft",
-                 "checked", "capture_ms", "replays", "replay_us", "eager_us")
+                 "checked", "capture_ms", "replays", "replay_us", "eager_us", "_sliced")
 
     def __init__(self, graph, out, bucket: int, manifest: dict[str, int], segments: tuple[Segment, ...],
                  capture_ms: float) -> None:
@@ -73,13 +73,20 @@ class _Captured:
         self.replays = 0
         self.replay_us: float | None = None
         self.eager_us: float | None = None
+        self._sliced: dict[int, Any] = {}
 
     def outputs(self, n: int) -> Any:
-        if self.single:
-            r = self.out_rows[0]
-            return self.out_flat[0] if r is None else self.out_flat[0][: n * r]
-        leaves = [t if r is None else t[: n * r] for t, r in zip(self.out_flat, self.out_rows)]
-        return tree_unflatten(leaves, self.out_spec)
+        """The static outputs sliced to ``n`` items (views, built once per ``n``)."""
+        out = self._sliced.get(n)
+        if out is None:
+            if self.single:
+                r = self.out_rows[0]
+                out = self.out_flat[0] if r is None else self.out_flat[0][: n * r]
+            else:
+                leaves = [t if r is None else t[: n * r] for t, r in zip(self.out_flat, self.out_rows)]
+                out = tree_unflatten(leaves, self.out_spec)
+            self._sliced[n] = out
+        return out
 
 
 class _Guard:
@@ -151,6 +158,8 @@ class GraphRunner:
         self._pad_axes = dict(pad_axes) if pad_axes is not None else None
         self._graphs: dict[int, _Captured] = {}
         self._statics: dict[str, torch.Tensor] = {}
+        self._slots: tuple[InputSlot, ...] = ()
+        self._in_pos: tuple[int, ...] = ()
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._frozen: dict[str, Any] = {}
         self._fallbacks: dict[str, int] = {}
@@ -175,7 +184,10 @@ class GraphRunner:
         return self._sig.parameters[name].default
 
     def _batch(self, args: tuple, kwargs: dict) -> tuple[int, list[Any]]:
-        lives = [self._arg(args, kwargs, si.name) for si in self._inputs]
+        if not kwargs and len(args) > self._in_pos[-1]:  # the usual call: inputs passed positionally
+            lives = [args[i] for i in self._in_pos]
+        else:
+            lives = [self._arg(args, kwargs, si.name) for si in self._inputs]
         first, live = self._inputs[0], lives[0]
         if not isinstance(live, torch.Tensor) or live.dim() <= first.dim or live.shape[first.dim] % first.per_item:
             raise ReplayError("cannot read the batch size from the first static input", buffer=first.name,
@@ -213,6 +225,8 @@ class GraphRunner:
                                    found=list(arguments), fix="declare inputs=('input_ids', ...)")
         for si in self._inputs:
             self._statics[si.name] = si.allocate(arguments[si.name], self.buckets.largest)
+        self._slots = tuple(InputSlot(si, self._statics[si.name]) for si in self._inputs)
+        self._in_pos = tuple(self._pos[si.name] for si in self._inputs)
         first = self._inputs[0]
         if self._pad_axes is None:
             self._pad_axes = {"seq": 1, "token": first.per_item}
@@ -233,8 +247,8 @@ class GraphRunner:
         return n
 
     def _load(self, lives: list[torch.Tensor], n: int, bucket: int) -> None:
-        for si, live in zip(self._inputs, lives):
-            si.load(self._statics[si.name], live, n, bucket)
+        for slot, live in zip(self._slots, lives):
+            slot.load(live, n, bucket)
         if self.state is not None:
             self.state.pad({a: n * m for a, m in self._pad_axes.items()})
 
@@ -248,6 +262,10 @@ class GraphRunner:
 
         The example call fixes dtypes, devices, non-batch dims and every non-input argument;
         its first ``min(n, bucket)`` items fill each bucket's inputs, the rest is padding."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # checked before anything is allocated or warmed up: inside a capture that would be recorded
+            raise CaptureError("a capture is already running on the current stream", expected="no capture running",
+                               found="an active capture", fix="call capture_all() outside other captures")
         if self._graphs:
             raise CaptureError("graphs are already captured", expected="one capture_all per runner",
                                found=f"buckets {sorted(self._graphs)}", fix="call reset() first to capture again")
@@ -321,6 +339,7 @@ class GraphRunner:
         self._graphs.clear()
         self._statics.clear()
         self._views.clear()
+        self._slots, self._in_pos = (), ()
         self._inputs = self._declared
         self._example = None
 
@@ -335,18 +354,15 @@ class GraphRunner:
             return self._unservable(args, kwargs, ReplayError(
                 "batch size outside the captured buckets", expected=f"1 <= n <= {self.buckets.largest}",
                 found=f"n = {n}", fix="add a larger bucket, split the batch, or pass fallback='eager'"))
-        for si, live in zip(self._inputs, lives):
-            static = self._statics[si.name]
-            if not si.fits(live, static, n):
-                return self._unservable(args, kwargs, si.check(live, static, n))
-        err = self._check_frozen(args, kwargs)
-        if err is not None:
-            return self._unservable(args, kwargs, err)
+        for slot, live in zip(self._slots, lives):
+            if not slot.fits(live, n):
+                return self._unservable(args, kwargs, slot.spec.check(live, slot.static, n))
+        if self._frozen:
+            err = self._check_frozen(args, kwargs)
+            if err is not None:
+                return self._unservable(args, kwargs, err)
         cap = self._graphs[bucket]
-        for si, live in zip(self._inputs, lives):
-            si.load(self._statics[si.name], live, n, bucket)
-        if self.state is not None:
-            self.state.pad({a: n * m for a, m in self._pad_axes.items()})
+        self._load(lives, n, bucket)
         if not cap.checked or knobs.check_manifest:
             self._check_manifest(cap, bucket)
         self._replay(cap)

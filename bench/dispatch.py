@@ -1,0 +1,134 @@
+"""Per-call cost of a ``@graphed`` function next to the hand-written replay it replaces.
+
+For a small launch-bound forward (an MLP of ``--layers`` linear+GELU layers, hidden 256),
+at each batch size, side by side in one run:
+
+  (a) eager: the forward itself;
+  (b) hand-written: ``static[:n].copy_(x)``, ``static[n:b].zero_()`` when ``n < b``,
+      ``graph.replay()``, return ``out[:n]`` (one ``torch.cuda.CUDAGraph`` per bucket);
+  (c) graphctl: the ``@graphed`` call (bucket pick, input checks, the same copy and padding,
+      frozen-argument check, replay, output slice).
+
+Each is timed as back-to-back calls (what a decode loop does) with one synchronize at the end,
+``--reps`` rounds of ``--calls`` calls, median per call. The target is (c)/(b) <= 1.3.
+
+    python bench/dispatch.py [--reps 30] [--calls 200] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import graphctl
+
+H = 256
+CASES = [(1, 1), (8, 8), (64, 64), (5, 8), (40, 64)]  # (n, bucket)
+
+
+def make_forward(layers: int, dev):
+    g = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(H, H, generator=g) / H ** 0.5).to(dev) for _ in range(layers)]
+
+    def forward(x):
+        for w in ws:
+            x = torch.nn.functional.gelu(x @ w)
+        return x
+
+    return forward
+
+
+class HandWritten:
+    """What engines write by hand: a static input, a graph per bucket, copy + pad + replay."""
+
+    def __init__(self, forward, buckets, dev) -> None:
+        self.static = torch.zeros(max(buckets), H, device=dev)
+        self.graphs, self.outs = {}, {}
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for b in buckets:
+                forward(self.static[:b])
+        torch.cuda.current_stream().wait_stream(s)
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(buckets, reverse=True):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=s):
+                self.outs[b] = forward(self.static[:b])
+            self.graphs[b] = g
+        self.buckets = sorted(buckets)
+
+    def __call__(self, x):
+        n = x.shape[0]
+        b = next(b for b in self.buckets if b >= n)
+        self.static[:n].copy_(x)
+        if n < b:
+            self.static[n:b].zero_()
+        self.graphs[b].replay()
+        return self.outs[b][:n]
+
+
+def per_call_us(fn, x, reps: int, calls: int) -> float:
+    for _ in range(20):
+        fn(x)
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(x)
+        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(rounds)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/dispatch.py needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    forward = make_forward(a.layers, dev)
+    buckets = sorted({b for _, b in CASES})
+    hand = HandWritten(forward, buckets, dev)
+    graphed = graphctl.graphed(forward, buckets=buckets, inputs=["x"], backend="cuda", progress=False)
+    g = torch.Generator().manual_seed(1)
+    graphed.capture_all(torch.randn(max(buckets), H, generator=g).to(dev))
+    rows = []
+    for n, b in CASES:
+        x = torch.randn(n, H, generator=g).to(dev)
+        want = forward(x)
+        assert torch.allclose(hand(x), want, atol=1e-4) and torch.allclose(graphed(x), want, atol=1e-4), (n, b)
+        eager = per_call_us(forward, x, a.reps, a.calls)
+        hw = per_call_us(hand, x, a.reps, a.calls)
+        gc_ = per_call_us(graphed, x, a.reps, a.calls)
+        rows.append(dict(n=n, bucket=b, eager_us=eager, handwritten_us=hw, graphctl_us=gc_, ratio=gc_ / hw,
+                         speedup_vs_eager=eager / gc_))
+    info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
+                layers=a.layers, hidden=H, reps=a.reps, calls=a.calls, date=time.strftime("%Y-%m-%d"))
+    print(f"dispatch: {info['gpu']}, torch {info['torch']}, {a.layers}x(linear {H}+gelu), "
+          f"median of {a.reps} rounds x {a.calls} back-to-back calls")
+    print(f"{'n':>4} {'bucket':>6} {'eager us':>9} {'hand us':>8} {'graphctl us':>11} {'graphctl/hand':>13} "
+          f"{'vs eager':>8}")
+    for r in rows:
+        print(f"{r['n']:>4} {r['bucket']:>6} {r['eager_us']:>9.1f} {r['handwritten_us']:>8.1f} "
+              f"{r['graphctl_us']:>11.1f} {r['ratio']:>12.2f}x {r['speedup_vs_eager']:>7.2f}x")
+    worst = max(r["ratio"] for r in rows)
+    print(f"target graphctl/hand <= 1.30: worst {worst:.2f} -> {'MET' if worst <= 1.3 else 'MISSED'}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(info=info, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
