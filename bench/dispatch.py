@@ -1,6 +1,7 @@
 """Per-call cost of a ``@graphed`` function next to the hand-written replay it replaces.
 
-For a small launch-bound forward (an MLP of ``--layers`` linear+GELU layers, hidden 256),
+For small launch-bound forwards (MLPs of ``--layers`` linear+GELU layers, hidden 256; with
+one layer the GPU finishes before the host can issue the next call, so host overhead shows),
 at each batch size, side by side in one run:
 
   (a) eager: the forward itself;
@@ -90,37 +91,38 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--json")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/dispatch.py needs a CUDA device", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    forward = make_forward(a.layers, dev)
-    buckets = sorted({b for _, b in CASES})
-    hand = HandWritten(forward, buckets, dev)
-    graphed = graphctl.graphed(forward, buckets=buckets, inputs=["x"], backend="cuda", progress=False)
-    g = torch.Generator().manual_seed(1)
-    graphed.capture_all(torch.randn(max(buckets), H, generator=g).to(dev))
     rows = []
-    for n, b in CASES:
-        x = torch.randn(n, H, generator=g).to(dev)
-        want = forward(x)
-        assert torch.allclose(hand(x), want, atol=1e-4) and torch.allclose(graphed(x), want, atol=1e-4), (n, b)
-        eager = per_call_us(forward, x, a.reps, a.calls)
-        hw = per_call_us(hand, x, a.reps, a.calls)
-        gc_ = per_call_us(graphed, x, a.reps, a.calls)
-        rows.append(dict(n=n, bucket=b, eager_us=eager, handwritten_us=hw, graphctl_us=gc_, ratio=gc_ / hw,
-                         speedup_vs_eager=eager / gc_))
-    info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                layers=a.layers, hidden=H, reps=a.reps, calls=a.calls, date=time.strftime("%Y-%m-%d"))
-    print(f"dispatch: {info['gpu']}, torch {info['torch']}, {a.layers}x(linear {H}+gelu), "
+    for layers in a.layers:
+        forward = make_forward(layers, dev)
+        buckets = sorted({b for _, b in CASES})
+        hand = HandWritten(forward, buckets, dev)
+        graphed = graphctl.graphed(forward, buckets=buckets, inputs=["x"], backend="cuda", progress=False)
+        g = torch.Generator().manual_seed(1)
+        graphed.capture_all(torch.randn(max(buckets), H, generator=g).to(dev))
+        for n, b in CASES:
+            x = torch.randn(n, H, generator=g).to(dev)
+            want = forward(x)
+            assert torch.allclose(hand(x), want, atol=1e-4) and torch.allclose(graphed(x), want, atol=1e-4), (n, b)
+            eager = per_call_us(forward, x, a.reps, a.calls)
+            hw = per_call_us(hand, x, a.reps, a.calls)
+            gc_ = per_call_us(graphed, x, a.reps, a.calls)
+            rows.append(dict(layers=layers, n=n, bucket=b, eager_us=eager, handwritten_us=hw, graphctl_us=gc_,
+                             ratio=gc_ / hw, speedup_vs_eager=eager / gc_))
+    info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda, hidden=H,
+                reps=a.reps, calls=a.calls, date=time.strftime("%Y-%m-%d"))
+    print(f"dispatch: {info['gpu']}, torch {info['torch']}, MLP of linear {H}+gelu layers, "
           f"median of {a.reps} rounds x {a.calls} back-to-back calls")
-    print(f"{'n':>4} {'bucket':>6} {'eager us':>9} {'hand us':>8} {'graphctl us':>11} {'graphctl/hand':>13} "
-          f"{'vs eager':>8}")
+    print(f"{'layers':>6} {'n':>4} {'bucket':>6} {'eager us':>9} {'hand us':>8} {'graphctl us':>11} "
+          f"{'graphctl/hand':>13} {'vs eager':>8}")
     for r in rows:
-        print(f"{r['n']:>4} {r['bucket']:>6} {r['eager_us']:>9.1f} {r['handwritten_us']:>8.1f} "
+        print(f"{r['layers']:>6} {r['n']:>4} {r['bucket']:>6} {r['eager_us']:>9.1f} {r['handwritten_us']:>8.1f} "
               f"{r['graphctl_us']:>11.1f} {r['ratio']:>12.2f}x {r['speedup_vs_eager']:>7.2f}x")
     worst = max(r["ratio"] for r in rows)
     print(f"target graphctl/hand <= 1.30: worst {worst:.2f} -> {'MET' if worst <= 1.3 else 'MISSED'}")

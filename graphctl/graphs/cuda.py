@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from graphctl.errors import CaptureError
+from graphctl.state.phase import capture_invalidated
 
 __all__ = ["CudaBackend", "CudaGraph", "node_count", "capturing_node_count"]
 
@@ -123,22 +124,28 @@ class CudaBackend:
             try:
                 out = body(lambda: capturing_node_count(self.stream))
             except BaseException as exc:
+                dead = capture_invalidated(self.device)
                 self._abandon(g, exc)
+                if dead and "CaptureInvalidated" in str(exc):  # the body's error is a symptom, not the cause
+                    raise self._invalidated(bucket, exc) from exc
                 raise CaptureError.from_body(bucket, exc) from exc
             try:
                 g.capture_end()
             except BaseException as exc:  # the body swallowed an error that invalidated the capture
                 g.reset()
                 self._recover_rng()
-                raise CaptureError(f"capture of bucket {bucket} was invalidated", expected="a valid capture",
-                                   found=f"{type(exc).__name__}: {exc}",
-                                   fix="a host sync or an illegal call ran in the forward (an error was swallowed "
-                                       "in the body); run it under backend='emulated' to get its file:line",
-                                   bucket=bucket) from exc
+                raise self._invalidated(bucket, exc) from exc
         cur.wait_stream(self.stream)
         g.instantiate()
         self.synchronize()
         return CudaGraph(g, max(0, torch.cuda.memory_reserved(self.device) - before)), out
+
+    @staticmethod
+    def _invalidated(bucket: int, exc: BaseException) -> CaptureError:
+        return CaptureError(f"capture of bucket {bucket} was invalidated by an earlier operation in the forward",
+                            expected="a valid capture", found=f"{type(exc).__name__}: {str(exc).splitlines()[0]}",
+                            fix="a host sync or an illegal call ran in the forward and its error was swallowed; "
+                                "run the forward with backend='emulated' to get its file:line", bucket=bucket)
 
     def _abandon(self, g: torch.cuda.CUDAGraph, exc: BaseException) -> None:
         try:

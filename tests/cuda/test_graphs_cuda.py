@@ -109,6 +109,7 @@ def test_capture_inside_a_running_capture_is_refused_before_capture_begin():
     with torch.cuda.stream(s):
         g.capture_begin()
         try:
+            x.mul_(1)  # the outer capture is not empty
             with pytest.raises(CaptureError, match="already running"):
                 f.capture_all(x)
         finally:
