@@ -86,9 +86,10 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         why = _illegal(func, args, out)
         if why is not None:
+            where = _user_frame()
             raise CaptureError(f"operation illegal under graph capture: {func._schema.name} {why}",
                                buffer=None, expected="device-only work with static shapes",
-                               found=f"{func._schema.name} at {_user_frame()}", where=_user_frame(),
+                               found=f"{func._schema.name} at {where}", where=where,
                                fix="keep host logic out of the captured forward (compute it before the call), "
                                    "or run this bucket eagerly")
         # Outputs that alias an input (in-place, out=, views) need no copy on replay; the rest

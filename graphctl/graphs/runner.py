@@ -149,6 +149,8 @@ class GraphRunner:
         self._sig = inspect.signature(fn)
         self._params = list(self._sig.parameters)
         self._pos = {p: i for i, p in enumerate(self._params)}
+        # With *args/**kwargs in the signature an argument's position is not fixed: bind fully.
+        self._simple = all(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in self._sig.parameters.values())
         self._declared = None if inputs is None else tuple(StaticInput.of(i) for i in inputs)
         self._inputs: tuple[StaticInput, ...] | None = self._declared
         for si in self._declared or ():
@@ -176,6 +178,8 @@ class GraphRunner:
         return ba.arguments
 
     def _arg(self, args: tuple, kwargs: dict, name: str) -> Any:
+        if not self._simple:
+            return self._arguments(args, kwargs).get(name)
         i = self._pos[name]
         if i < len(args):
             return args[i]
@@ -184,7 +188,7 @@ class GraphRunner:
         return self._sig.parameters[name].default
 
     def _batch(self, args: tuple, kwargs: dict) -> tuple[int, list[Any]]:
-        if not kwargs and len(args) > self._in_pos[-1]:  # the usual call: inputs passed positionally
+        if not kwargs and self._simple and len(args) > self._in_pos[-1]:  # the usual call: positional inputs
             lives = [args[i] for i in self._in_pos]
         else:
             lives = [self._arg(args, kwargs, si.name) for si in self._inputs]
@@ -252,10 +256,13 @@ class GraphRunner:
         if self.state is not None:
             self.state.pad({a: n * m for a, m in self._pad_axes.items()})
 
+    def _head(self, arguments: dict[str, Any], m: int) -> dict[str, torch.Tensor]:
+        """The example's static inputs cut to their first ``m`` items, in input order."""
+        return {si.name: arguments[si.name].narrow(si.dim, 0, m * si.per_item) for si in self._inputs}
+
     def _load_example(self, arguments: dict[str, Any], n: int, bucket: int) -> None:
         m = min(n, bucket)
-        lives = [arguments[si.name].narrow(si.dim, 0, m * si.per_item) for si in self._inputs]
-        self._load(lives, m, bucket)
+        self._load(list(self._head(arguments, m).values()), m, bucket)
 
     def capture_all(self, *args: Any, **kwargs: Any) -> "GraphRunner":
         """Warm every bucket up eagerly, then capture them largest first into one pool.
@@ -269,6 +276,14 @@ class GraphRunner:
         if self._graphs:
             raise CaptureError("graphs are already captured", expected="one capture_all per runner",
                                found=f"buckets {sorted(self._graphs)}", fix="call reset() first to capture again")
+        try:
+            self._capture_all(args, kwargs)
+        except BaseException:
+            self.reset()  # never keep some buckets of a failed capture_all: a call would find holes
+            raise
+        return self
+
+    def _capture_all(self, args: tuple, kwargs: dict) -> None:
         arguments = self._arguments(args, kwargs)
         n = self._setup(arguments)
         self._example = (args, kwargs)
@@ -295,7 +310,6 @@ class GraphRunner:
                     pool_mib = sum(c.graph.pool_bytes for c in self._graphs.values()) / 2**20
                     bar.update(task, advance=1, description=f"captured bucket {b} "
                                f"({time.perf_counter() - t_start:.1f}s, pool {pool_mib:.1f} MiB)")
-        return self
 
     def _capture_one(self, bucket: int, arguments: dict[str, Any], pool: Any) -> None:
         call = self._call_args(arguments, bucket)
@@ -387,19 +401,10 @@ class GraphRunner:
     def _check_frozen(self, args: tuple, kwargs: dict) -> ReplayError | None:
         for name, want in self._frozen.items():
             live = self._arg(args, kwargs, name)
-            if live is want:
+            if live is want or _same_frozen(live, want):
                 continue
-            if isinstance(want, torch.Tensor) and isinstance(live, torch.Tensor):
-                if live.data_ptr() == want.data_ptr() and live.shape == want.shape and live.dtype == want.dtype:
-                    continue
-                found = f"{tuple(live.shape)} {live.dtype} at {live.data_ptr():#x}"
-                expected = f"{tuple(want.shape)} {want.dtype} at {want.data_ptr():#x}"
-            elif isinstance(want, _SCALARS) and type(live) is type(want) and live == want:
-                continue
-            else:
-                found, expected = _describe(live), _describe(want)
             return ReplayError("a frozen argument differs from the capture", buffer=name,
-                               expected=f"{expected} (baked into the graph)", found=found,
+                               expected=f"{_describe(want)} (baked into the graph)", found=_describe(live),
                                fix="pass the captured object, declare the argument in inputs=, or reset() and "
                                    "capture again")
         return None
@@ -428,11 +433,7 @@ class GraphRunner:
         arguments = self._arguments(*self._example)
         n = self._batch((), arguments)[0]
         for b, cap in sorted(self._graphs.items()):
-            m = min(n, b)
-            live = dict(arguments)
-            for si in self._inputs:
-                live[si.name] = arguments[si.name].narrow(si.dim, 0, m * si.per_item)
-            args, kwargs = self._assemble(live)
+            args, kwargs = self._assemble({**arguments, **self._head(arguments, min(n, b))})
             with self._guard:
                 cap.replay_us = _median_us(self._backend, lambda: self(*args, **kwargs), iters)
                 cap.eager_us = _median_us(self._backend, lambda: self.fn(*args, **kwargs), iters)
@@ -469,11 +470,32 @@ class GraphRunner:
         return self._graphs[bucket].segments
 
 
+def _same_frozen(live: Any, want: Any) -> bool:
+    """Would the graph captured with ``want`` compute what a call with ``live`` asks for? The same
+    tensor storage and view, equal scalars, containers of those, or the very same object."""
+    if live is want:
+        return True
+    if isinstance(want, torch.Tensor):
+        return (isinstance(live, torch.Tensor) and live.data_ptr() == want.data_ptr() and live.shape == want.shape
+                and live.stride() == want.stride() and live.dtype == want.dtype)
+    if isinstance(want, _SCALARS):
+        return type(live) is type(want) and live == want
+    if isinstance(want, (tuple, list)):
+        return (type(live) is type(want) and len(live) == len(want)
+                and all(_same_frozen(a, b) for a, b in zip(live, want)))
+    if isinstance(want, dict):
+        return (isinstance(live, dict) and live.keys() == want.keys()
+                and all(_same_frozen(live[k], want[k]) for k in want))
+    return False
+
+
 def _describe(v: Any) -> str:
     if isinstance(v, torch.Tensor):
         return f"{tuple(v.shape)} {v.dtype} at {v.data_ptr():#x}"
     if isinstance(v, _SCALARS):
         return repr(v)
+    if isinstance(v, (tuple, list, dict)) and len(v) <= 4:
+        return repr(v) if len(repr(v)) < 80 else f"{type(v).__name__} of {len(v)}"
     return f"{type(v).__qualname__} object at {id(v):#x}"
 
 
