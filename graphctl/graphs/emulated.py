@@ -39,6 +39,9 @@ _GRAPHCTL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HOST_READS = {"aten::_local_scalar_dense": "reads a device value on the host (.item(), .tolist(), bool(t), int(t))",
                "aten::equal": "returns a Python bool computed from device values (torch.equal)",
                "aten::is_nonzero": "reads a device value on the host (bool(t))"}
+# Ops returning host values computed from metadata alone (shapes, layouts), which a graph keeps.
+_METADATA_ONLY = {"aten::is_same_size", "aten::is_set_to", "aten::is_coalesced", "aten::dense_dim",
+                  "aten::sparse_dim", "aten::_nnz", "aten::_debug_has_internal_overlap"}
 
 
 def _user_frame() -> str:
@@ -60,7 +63,8 @@ def _illegal(func: torch._ops.OpOverload, args: tuple, out: Any) -> str | None:
         if name != "aten::index" or any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
                                         for i in args[1]):
             return "has a data-dependent output shape, which a graph cannot replay"
-    if any(str(r.type) in ("bool", "int", "float", "Scalar", "SymInt") for r in func._schema.returns):
+    if name not in _METADATA_ONLY and any(str(r.type) in ("bool", "int", "float", "Scalar", "SymInt")
+                                          for r in func._schema.returns):
         return "returns a host value computed from device data"
     ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]

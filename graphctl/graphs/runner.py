@@ -33,6 +33,7 @@ import gc
 import inspect
 import logging
 import time
+import types
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -123,8 +124,9 @@ def _gc_frozen() -> Iterator[None]:
 class GraphRunner:
     """Captured graphs of ``fn``, one per bucket. Build it with :func:`graphctl.graphed`.
 
-    Arguments: ``buckets`` (batch sizes to capture), ``state`` (a :class:`BoundState` or an
-    object to bind), ``inputs`` (argument names or :class:`StaticInput`; ``None``: every
+    Arguments: ``buckets`` (batch sizes to capture), ``state`` (a :class:`BoundState`, an
+    object to bind, or on a decorated method the name of the instance attribute holding the
+    metadata: each instance gets its own runner), ``inputs`` (argument names or :class:`StaticInput`; ``None``: every
     tensor argument, batch on dim 0), ``backend`` (``auto``, ``cuda``, ``emulated``),
     ``fallback`` (``"error"``: a batch that no graph can serve raises ``ReplayError``;
     ``"eager"``: it runs ``fn`` eagerly and logs why), ``pad_axes`` (state axis -> rows per
@@ -137,8 +139,14 @@ class GraphRunner:
                  pad_axes: Mapping[str, int] | None = None, warmup_iters: int = 2, progress: bool | None = None) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
+        self._options = dict(buckets=buckets, state=state, inputs=inputs, backend=backend, fallback=fallback,
+                             pad_axes=pad_axes, warmup_iters=warmup_iters, progress=progress)
         self.buckets = Buckets(buckets)
-        self.state = state if state is None or isinstance(state, BoundState) else bind(state)
+        # state="attr" names the instance's metadata when a method is decorated (see __get__)
+        self._state_attr = state if isinstance(state, str) else None
+        self.state = state if state is None or isinstance(state, (BoundState, str)) else bind(state)
+        if isinstance(self.state, str):
+            self.state = None
         if fallback not in ("error", "eager"):
             raise DeclarationError("unknown fallback", expected="'error' or 'eager'", found=fallback,
                                    fix="fallback='eager' runs unservable batches eagerly (logged); 'error' raises")
@@ -169,6 +177,19 @@ class GraphRunner:
         self._refreshes = False
         self._guard: _Guard | None = None
         self._example: tuple[tuple, dict] | None = None
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        """A decorated method gets one runner per instance (its own graphs, inputs and state)."""
+        if obj is None:
+            return self
+        key = f"_graphctl_runner_{self.fn.__name__}"
+        runner = obj.__dict__.get(key)
+        if runner is None:
+            opts = dict(self._options)
+            if self._state_attr is not None:
+                opts["state"] = getattr(obj, self._state_attr)
+            runner = obj.__dict__[key] = GraphRunner(types.MethodType(self.fn, obj), **opts)
+        return runner
 
     # ------------------------------------------------------------------------ arguments
 
@@ -222,6 +243,10 @@ class GraphRunner:
     # -------------------------------------------------------------------------- capture
 
     def _setup(self, arguments: dict[str, Any]) -> int:
+        if self._state_attr is not None:
+            raise DeclarationError(f"state='{self._state_attr}' names an attribute of an instance",
+                                   expected="a decorated method called on an instance", found="a plain call",
+                                   fix="decorate a method (each instance gets its runner), or pass the state itself")
         if self._inputs is None:
             self._inputs = tuple(StaticInput(n) for n, v in arguments.items() if isinstance(v, torch.Tensor))
         if not self._inputs:

@@ -112,6 +112,27 @@ def test_var_arguments_are_bound_by_name(gen):
         f(x, 1.0, 5.0, scale=0.5, tag="a")
 
 
+def test_decorated_method_gets_a_runner_per_instance(gen):
+    class Model:
+        def __init__(self, toy):
+            self.toy, self.meta, self.state = toy, toy.meta, toy.state  # a bound state (or an object to bind)
+
+        @graphctl.graphed(buckets=[2, 4], state="state", backend="emulated", progress=False,
+                          inputs=[StaticInput("tokens", per_item=3), StaticInput("positions", per_item=3)])
+        def forward(self, tokens, positions, meta):
+            return self.toy._forward(tokens, positions, meta)
+
+    a, b = Model(Toy("cpu", gen)), Model(Toy("cpu", gen))
+    assert a.forward is a.forward and a.forward is not b.forward and a.forward.state.obj is a.meta
+    for m in (a, b):
+        tokens, positions = m.toy.batch(3)
+        want = m.toy.eager(tokens, positions)
+        got = [t.clone() for t in m.forward(tokens, positions, m.meta)]
+        torch.testing.assert_close(got, list(want))
+    with pytest.raises(graphctl.DeclarationError, match="names an attribute"):
+        Model.forward(a, *a.toy.batch(1), a.meta)  # through the class: no instance to name the state on
+
+
 def test_address_change_is_detected_before_first_replay(toy):
     tokens, positions = toy.batch(3)
     toy.forward.capture_all(tokens, positions, toy.meta)
