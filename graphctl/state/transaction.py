@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-import torch
 
 from graphctl.debug import knobs
 from graphctl.errors import CorruptedStateError, NestedSwitchError, SwitchError
