@@ -149,6 +149,8 @@ class EmulatedBackend:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        with _Recorder():  # the first dispatch mode entered in a process pays torch's lazy set-up; not a capture
+            torch.zeros(1).add_(1)
 
     def new_pool(self) -> None:
         return None
