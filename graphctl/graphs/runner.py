@@ -98,13 +98,17 @@ class _Guard:
         self._live = [state.tensor(n) for n in names(state)] if state is not None else []
         self._saved = [t.clone() for t in self._live]
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> "_Guard":
         for s, t in zip(self._saved, self._live):
             s.copy_(t)
+        return self
 
-    def __exit__(self, *exc) -> None:
+    def restore(self) -> None:
         for s, t in zip(self._saved, self._live):
             t.copy_(s)
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
 
 
 @contextlib.contextmanager
@@ -314,10 +318,13 @@ class GraphRunner:
         self._example = (args, kwargs)
         be = self._backend
         order = sorted(self.buckets.sizes, reverse=True)
-        # Loading each bucket's example pads the state; the caller gets it back as it was.
-        with _Guard(self.state, BoundState.restorable_names), _gc_frozen(), self._progress() as bar:
+        # Loading a bucket's example pads the state for it: each bucket starts from the caller's
+        # state (a smaller bucket's padding would otherwise turn live rows of a larger one into
+        # padding), and the caller gets it back as it was.
+        with _Guard(self.state, BoundState.restorable_names) as given, _gc_frozen(), self._progress() as bar:
             task = bar.add_task("warmup", total=2 * len(order)) if bar else None
             for b in order:  # pass 1: every workspace reaches its high-water mark before any capture
+                given.restore()
                 self._load_example(arguments, n, b)
                 call = self._call_args(arguments, b)
                 for _ in range(self.warmup_iters):
@@ -329,6 +336,7 @@ class GraphRunner:
             pool = be.new_pool()
             t_start = time.perf_counter()
             for b in order:  # pass 2: largest first, so smaller graphs reuse its pool blocks
+                given.restore()
                 self._load_example(arguments, n, b)
                 self._capture_one(b, arguments, pool)
                 if bar:

@@ -76,6 +76,29 @@ def test_mutable_buffers_do_not_accumulate_across_warmup_and_capture(gen):
     assert torch.equal(toy.meta.kv_lens, before + 1), "a replay must keep what the graph writes"
 
 
+def test_each_bucket_is_captured_from_the_callers_state(gen):
+    # Regression: a smaller bucket's example padding zeroed live rows that a larger bucket's capture then saw.
+    toy = Toy("cpu", gen)
+    seen: dict[int, list[torch.Tensor]] = {}
+
+    def fwd(tokens, positions, meta):
+        seen.setdefault(tokens.shape[0] // 3, []).append(meta.seq_lens.clone())
+        return tokens * 2
+
+    f = graphctl.graphed(fwd, buckets=[2, 4, 8], state=toy.state, warmup_iters=1, backend="emulated",
+                         inputs=[StaticInput("tokens", per_item=3), StaticInput("positions", per_item=3)],
+                         progress=False)
+    tokens, positions = toy.batch(5)
+    want = toy.meta.seq_lens.clone()
+    f.capture_all(tokens, positions, toy.meta)
+    assert sorted(seen) == [2, 4, 8] and all(len(v) == 2 for v in seen.values())  # one warmup, one capture
+    for b, snaps in seen.items():
+        m = min(5, b)
+        for s in snaps:
+            assert torch.equal(s[:m], want[:m]) and not s[m:].any(), (b, s.tolist())
+    assert torch.equal(toy.meta.seq_lens, want)
+
+
 def test_capture_failure_restores_and_keeps_nothing(gen):
     check_capture_failure_restores(lambda: Toy("cpu", gen), gen)
 
