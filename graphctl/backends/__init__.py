@@ -1,4 +1,5 @@
-"""Declarations for attention-metadata families (paged, TensorRT-LLM-style, DSA, DeepSeek-V4).
+"""Declarations for attention-metadata families, each a spec and a reference metadata class
+that owns the same buffer set as the real engine."""
+from graphctl.backends.paged import PAGED_SPEC, KVCacheManager, PagedMetadata, paged_spec
 
-Arrives with issue 5. Nothing is exported yet."""
-__all__: list[str] = []
+__all__ = ["KVCacheManager", "PAGED_SPEC", "PagedMetadata", "paged_spec"]

@@ -282,8 +282,9 @@ class GraphRunner:
     def _load(self, lives: list[torch.Tensor], n: int, bucket: int) -> None:
         for slot, live in zip(self._slots, lives):
             slot.load(live, n, bucket)
-        if self.state is not None:
-            self.state.pad({a: n * m for a, m in self._pad_axes.items()})
+        if self.state is not None:  # the graph reads [:bucket]: pad [n:bucket] (nothing when n == bucket)
+            self.state.pad({a: n * m for a, m in self._pad_axes.items()},
+                           {a: bucket * m for a, m in self._pad_axes.items()})
 
     def _head(self, arguments: dict[str, Any], m: int) -> dict[str, torch.Tensor]:
         """The example's static inputs cut to their first ``m`` items, in input order."""

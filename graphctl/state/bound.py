@@ -35,7 +35,6 @@ ROLES = ("draft",)
 _ALIGN = 64  # arena slots start on 64-byte boundaries (typed views and vector loads need it)
 
 
-
 def _span(t: torch.Tensor) -> tuple[int, int]:
     start = t.data_ptr()
     return start, start + t.numel() * t.element_size()
@@ -553,9 +552,10 @@ class BoundState:
             raise SwitchError("write() value has the wrong shape", buffer=name, expected=rule,
                               found=tuple(value.shape), fix="write at most the buffer's extent; padding fills the tail")
 
-    def pad(self, counts: Mapping[str, int]) -> None:
-        """Apply every buffer's padding policy to ``[n:extent]`` along its axis, for
-        ``counts = {"seq": n_seqs, "token": n_tokens, ...}``, then recompute dependents."""
+    def pad(self, counts: Mapping[str, int], ends: Mapping[str, int] | None = None) -> None:
+        """Apply every buffer's padding policy to ``[n:end]`` along its axis, for
+        ``counts = {"seq": n_seqs, ...}`` and ``end = ends[axis]`` (default: the extent), then
+        recompute the dependents of what was padded (nothing, when every range is empty)."""
         self._check_usable()
         if self._active is not None:
             raise SwitchError("pad() inside a switch", expected="pad before entering the switch",
@@ -569,8 +569,10 @@ class BoundState:
                     raise SwitchError("pad() count outside the buffer", buffer=name,
                                       expected=f"0 <= {d.axis} <= {t.shape[d.axis_dim]}", found=n,
                                       fix="pass the live count, at most the bucket size")
-                d.pad.apply(t.narrow(d.axis_dim, n, t.shape[d.axis_dim] - n))
-                touched.append(name)
+                end = min(t.shape[d.axis_dim], ends.get(d.axis, t.shape[d.axis_dim])) if ends else t.shape[d.axis_dim]
+                if end > n and d.pad.kind != "keep":
+                    d.pad.apply(t.narrow(d.axis_dim, n, end - n))
+                    touched.append(name)
         for dep in self.plan.closure(touched):
             self._recompute(dep)
 

@@ -1,0 +1,137 @@
+"""The paged-KV family: block tables, sequence and KV lengths, the maps derived from them.
+
+:class:`PagedMetadata` owns the buffer set a paged attention kernel reads by address (sized
+at the maximum: ``S`` sequences, ``B`` blocks a sequence, ``T = S * (1 + D)`` tokens) and a
+``prepare()`` that fills it for a batch; :data:`PAGED_SPEC` declares what the draft role does
+to each buffer:
+
+- ``block_table`` is swapped to ``draft_block_table``, which is refreshed from the draft
+  KV-cache manager (clamped into the pool, TensorRT-LLM #13124) before eager drafts and replays;
+- the ``kv_cache_manager`` object is swapped to the draft manager, so kernels recorded in the
+  draft segment bake the draft caches' addresses;
+- ``seq_lens`` and ``kv_lens`` are ``mutable`` (the draft loop writes them); ``kv_lens_runtime``
+  is their declared runtime view;
+- ``cu_seq_lens``, ``cu_kv_lens``, ``req_idx_per_token``, ``token_positions`` and
+  ``slot_mapping`` are recomputed on the device whenever an input is written or swapped, so
+  a layout change from ``1 + D`` tokens a request to 1 can never leave them stale (#16925);
+- pinned host mirrors of the lengths are mutable host buffers.
+"""
+from __future__ import annotations
+
+import torch
+
+from graphctl import ops
+from graphctl.state import CopyInPlace, Pad, Recompute, StateSpec, Swap
+
+__all__ = ["KVCacheManager", "PagedMetadata", "PAGED_SPEC", "paged_spec"]
+
+
+class KVCacheManager:
+    """A paged KV cache: per layer ``k``/``v`` of ``[num_blocks, block_size, head_dim]``, and
+    the block ids each sequence slot owns (a fixed, shuffled allocation: tables are not the
+    identity, so a wrong table reads wrong memory)."""
+
+    def __init__(self, name: str, *, layers: int, seqs: int, blocks: int, block_size: int, head_dim: int,
+                 dtype: torch.dtype, device, seed: int) -> None:
+        self.name, self.block_size = name, block_size
+        self.num_blocks = seqs * blocks
+        g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(self.num_blocks, generator=g).to(torch.int32)
+        self.block_ids = perm.view(seqs, blocks).to(device)
+        shape = (self.num_blocks, block_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self._staged = torch.empty_like(self.block_ids)
+
+    def pool_block_ids(self) -> torch.Tensor:
+        """The block ids clamped into the pool, staged in a preallocated tensor (a refresh
+        source: an index past the pool would read or write another pool's memory, #13124)."""
+        return torch.clamp(self.block_ids, 0, self.num_blocks - 1, out=self._staged)
+
+
+def _cumsum(out: torch.Tensor, lens: torch.Tensor) -> None:
+    out[0].zero_()
+    torch.cumsum(lens, 0, out=out[1:])
+
+
+def _token_map(out: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    # tokens past the batch map to len(seq_lens); readers clamp them onto a dead slot
+    ops.token_to_request_(out, seq_lens, out.numel(), seq_lens.numel())
+
+
+def _positions(out: torch.Tensor, seq_lens, kv_lens, req_idx, cu_seq_lens) -> None:
+    """Position of each token: its request's cached length plus its offset in the request."""
+    r = req_idx.long().clamp(max=seq_lens.numel() - 1)
+    t = torch.arange(out.numel(), device=out.device)
+    out.copy_(kv_lens[r] - seq_lens[r] + (t - cu_seq_lens[r]))
+
+
+def _slots(out: torch.Tensor, block_table, token_positions, req_idx, block_size: int) -> None:
+    """KV slot of each token through the bound block table (padding tokens land in range)."""
+    S, B = block_table.shape
+    r = req_idx.long().clamp(max=S - 1)
+    pos = token_positions.clamp(0, B * block_size - 1)
+    out.copy_(block_table[r, pos // block_size].long() * block_size + pos % block_size)
+
+
+def paged_spec(name: str = "paged", *, block_size: int) -> StateSpec:
+    """The paged spec for a block size (``slot_mapping``'s recompute bakes it in)."""
+    spec = StateSpec(name)
+    spec.object("kv_cache_manager", draft=Swap(twin="draft_kv_cache_manager"))
+    spec.object("draft_kv_cache_manager")
+    spec.buffer("block_table", shape=("S", "B"), dtype=torch.int32, axis="seq", pad=Pad.clamp(0),
+                readers={"target"}, draft=Swap(twin="draft_block_table"))
+    spec.buffer("draft_block_table", shape=("S", "B"), dtype=torch.int32, readers={"draft"},
+                refresh=CopyInPlace(source=lambda m: m.draft_kv_cache_manager.pool_block_ids()))
+    spec.buffer("seq_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), mutable=True)
+    spec.buffer("kv_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), mutable=True,
+                aliases=("kv_lens_runtime",))
+    spec.buffer("host_seq_lens", shape=("S",), dtype=torch.int32, host=True, mutable=True)
+    spec.buffer("host_kv_lens", shape=("S",), dtype=torch.int32, host=True, mutable=True)
+    spec.buffer("cu_seq_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(["seq_lens"], _cumsum))
+    spec.buffer("cu_kv_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(["kv_lens"], _cumsum))
+    spec.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, derive=Recompute(["seq_lens"], _token_map))
+    spec.buffer("token_positions", shape=("T",), dtype=torch.int64,
+                derive=Recompute(["seq_lens", "kv_lens", "req_idx_per_token", "cu_seq_lens"], _positions))
+    spec.buffer("slot_mapping", shape=("T",), dtype=torch.int64,
+                derive=Recompute(["block_table", "token_positions", "req_idx_per_token"],
+                                 lambda out, bt, pos, req: _slots(out, bt, pos, req, block_size)))
+    return spec
+
+
+PAGED_SPEC = paged_spec(block_size=8)
+
+
+class PagedMetadata:
+    """The paged buffer set for ``seqs`` sequences of up to ``blocks`` blocks, ``1 + draft_len``
+    tokens a request at most; ``kv_cache_manager``/``draft_kv_cache_manager`` own the caches."""
+
+    def __init__(self, *, seqs: int, blocks: int, draft_len: int, kv_cache_manager: KVCacheManager,
+                 draft_kv_cache_manager: KVCacheManager, device) -> None:
+        S, T = seqs, seqs * (1 + draft_len)
+        dev = torch.device(device)
+        pin = dev.type == "cuda"
+        self.max_tokens = T
+        self.kv_cache_manager, self.draft_kv_cache_manager = kv_cache_manager, draft_kv_cache_manager
+        self.block_table = kv_cache_manager.block_ids.clone()
+        self.draft_block_table = draft_kv_cache_manager.block_ids.clone()
+        self.seq_lens = torch.zeros(S, dtype=torch.int32, device=dev)
+        self.kv_lens = torch.zeros(S, dtype=torch.int32, device=dev)
+        self.kv_lens_runtime = self.kv_lens[:S]
+        self.host_seq_lens = torch.zeros(S, dtype=torch.int32, pin_memory=pin)
+        self.host_kv_lens = torch.zeros(S, dtype=torch.int32, pin_memory=pin)
+        self.cu_seq_lens = torch.zeros(S + 1, dtype=torch.int64, device=dev)
+        self.cu_kv_lens = torch.zeros(S + 1, dtype=torch.int64, device=dev)
+        self.req_idx_per_token = torch.zeros(T, dtype=torch.int32, device=dev)
+        self.token_positions = torch.zeros(T, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.zeros(T, dtype=torch.int64, device=dev)
+
+    def prepare(self, state, seq_lens: torch.Tensor, kv_lens: torch.Tensor) -> None:
+        """Fill the buffers for a batch of ``len(seq_lens)`` requests (host code before a
+        forward): lengths and their host mirrors written through ``state`` (derived maps follow),
+        tails padded by policy."""
+        n = seq_lens.numel()
+        self.host_seq_lens[:n].copy_(seq_lens)
+        self.host_kv_lens[:n].copy_(kv_lens)
+        state.write("seq_lens", seq_lens.to(self.seq_lens.device, torch.int32))
+        state.write("kv_lens", kv_lens.to(self.kv_lens.device, torch.int32))

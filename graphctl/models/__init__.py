@@ -1,0 +1,5 @@
+"""Reference models: the one-model MTP engine that graphctl is proven on (and the CLI's
+built-in default). Imports ``backends`` and ``state``; ``graphs`` wraps its step."""
+from graphctl.models.mtp import EngineConfig, MTPEngine, StepOutput
+
+__all__ = ["EngineConfig", "MTPEngine", "StepOutput"]

@@ -1,0 +1,192 @@
+"""The reference one-model MTP engine: a small transformer target with paged attention over
+the paged backend, and a draft head with its own KV cache and manager.
+
+One decode step, capturable as one graph with ``@graphed`` and runnable eagerly:
+
+1. target forward over ``k + 1`` tokens a request (the last accepted token and ``k`` drafts);
+2. greedy acceptance on the device: the accepted length ``a`` (1 to ``k + 1``) and the bonus
+   token, the target's choice after the last accepted token;
+3. inside ``state.switch("draft")`` (block table and KV manager swapped to the draft's): one
+   draft forward at the ``k + 1`` layout (it writes the draft KV of the step's tokens), then the
+   layout goes to 1 token a request through ``state.write("seq_lens", ...)`` and ``k`` draft
+   steps each write ``kv_lens`` (positions and slot mappings follow) and propose a token.
+
+With ``oracle=True`` the draft head is the target's own layers (same weights, separate KV
+cache), so it reproduces the target exactly: every draft is accepted, acceptance length
+``k + 1`` at every batch size. A stale derived map shows up as acceptance falling with batch
+size (TensorRT-LLM #16925).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from graphctl.backends.paged import KVCacheManager, PagedMetadata, paged_spec
+from graphctl.state import BoundState, Registry, StateSpec, bind
+
+__all__ = ["EngineConfig", "MTPEngine", "StepOutput"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineConfig:
+    vocab: int = 96
+    hidden: int = 64
+    layers: int = 2
+    block_size: int = 8
+    max_seqs: int = 64
+    max_context: int = 96  # tokens a sequence may hold: prompt + generated
+    draft_len: int = 3
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+
+class StepOutput(NamedTuple):  # a NamedTuple: @graphed slices its fields to the batch
+    accepted: torch.Tensor  # [n] int64: accepted length a, 1..k+1 (the bonus token counted)
+    bonus: torch.Tensor  # [n] int64: the target's token after the last accepted one
+    drafts: torch.Tensor  # [n, k] int64: the draft head's proposals for the next step
+
+
+class _Layer:
+    def __init__(self, H: int, g: torch.Generator, dtype, device) -> None:
+        r = lambda *s, scale: (torch.randn(*s, generator=g) * scale).to(device, dtype)  # noqa: E731
+        self.wq, self.wk, self.wv, self.wo = (r(H, H, scale=H ** -0.5) for _ in range(4))
+        self.w1, self.w2 = r(H, 4 * H, scale=H ** -0.5), r(4 * H, H, scale=(4 * H) ** -0.5)
+
+
+class MTPEngine:
+    """The reference engine. ``spec`` overrides the paged spec (regression tests declare a
+    broken one); ``oracle`` makes the draft head the target's own layers."""
+
+    def __init__(self, cfg: EngineConfig = EngineConfig(), *, device="cpu", oracle: bool = True,
+                 spec: StateSpec | None = None) -> None:
+        self.cfg, self.device, self.k = cfg, torch.device(device), cfg.draft_len
+        H, dev = cfg.hidden, self.device
+        g = torch.Generator().manual_seed(cfg.seed)
+        self.emb = (torch.randn(cfg.vocab, H, generator=g)).to(dev, cfg.dtype)
+        self.lm_head = (torch.randn(H, cfg.vocab, generator=g) * 4 * H ** -0.5).to(dev, cfg.dtype)  # wide margins
+        self.target_layers = [_Layer(H, g, cfg.dtype, dev) for _ in range(cfg.layers)]
+        self.draft_layers = self.target_layers if oracle else [_Layer(H, g, cfg.dtype, dev) for _ in range(cfg.layers)]
+        blocks = -(-cfg.max_context // cfg.block_size)
+        mk = lambda name, seed: KVCacheManager(name, layers=cfg.layers, seqs=cfg.max_seqs, blocks=blocks,  # noqa: E731
+                                               block_size=cfg.block_size, head_dim=H, dtype=cfg.dtype, device=dev,
+                                               seed=seed)
+        self.meta = PagedMetadata(seqs=cfg.max_seqs, blocks=blocks, draft_len=self.k,
+                                  kv_cache_manager=mk("target", cfg.seed + 1),
+                                  draft_kv_cache_manager=mk("draft", cfg.seed + 2), device=dev)
+        self.registry = Registry()
+        self.registry.register(PagedMetadata, spec or paged_spec(block_size=cfg.block_size))
+        self.state: BoundState = bind(self.meta, registry=self.registry)
+        C = blocks * cfg.block_size
+        self._j = torch.arange(C, device=dev)
+
+    # ----------------------------------------------------------------------- the model
+
+    def _forward(self, tokens: torch.Tensor, layers: Sequence[_Layer]) -> torch.Tensor:
+        """Logits for ``tokens`` laid out by the metadata's current maps; writes their K/V into
+        the cache of the *bound* ``kv_cache_manager`` (the draft's inside a draft switch)."""
+        m, bs = self.meta, self.cfg.block_size
+        T, S = tokens.shape[0], m.seq_lens.numel()
+        req = m.req_idx_per_token[:T].long().clamp(max=S - 1)
+        pos = m.token_positions[:T]
+        slots = m.slot_mapping[:T]
+        mgr = m.kv_cache_manager
+        key_slots = (m.block_table.long()[:, self._j // bs] * bs + self._j % bs)[req]  # [T, C]
+        masked = self._j[None, :] > pos[:, None]
+        x = self.emb[tokens]
+        for i, L in enumerate(layers):
+            h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
+            q, k, v = h @ L.wq, h @ L.wk, h @ L.wv
+            kc, vc = mgr.k[i].view(-1, k.shape[-1]), mgr.v[i].view(-1, v.shape[-1])
+            kc.index_copy_(0, slots, k)
+            vc.index_copy_(0, slots, v)
+            K, V = kc[key_slots], vc[key_slots]  # [T, C, H]
+            scores = torch.einsum("th,tch->tc", q, K) / math.sqrt(q.shape[-1])
+            att = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
+            x = x + torch.einsum("tc,tch->th", att, V) @ L.wo
+            h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
+            x = x + torch.nn.functional.gelu(h @ L.w1) @ L.w2
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],)) @ self.lm_head
+
+    def step(self, input_ids: torch.Tensor, meta: PagedMetadata) -> StepOutput:
+        """One decode step for ``n = len(input_ids) / (k + 1)`` requests (see the module doc)."""
+        accepted, bonus = self.target_and_accept(input_ids)
+        with self.state.switch("draft"):
+            drafts = self.draft_loop(input_ids, accepted, bonus, self.state.write)
+        return StepOutput(accepted, bonus, drafts)
+
+    def target_and_accept(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target forward and greedy acceptance: accepted lengths and bonus tokens, on the device."""
+        k = self.k
+        n = input_ids.shape[0] // (k + 1)
+        best = self._forward(input_ids, self.target_layers).argmax(-1).view(n, k + 1)
+        drafts_in = input_ids.view(n, k + 1)[:, 1:]
+        accepted = 1 + (drafts_in == best[:, :-1]).long().cumprod(1).sum(1)
+        return accepted, best.gather(1, (accepted - 1)[:, None])[:, 0]
+
+    def draft_loop(self, input_ids: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor,
+                   write: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
+        """The draft loop, run in the draft role: ``write(name, value)`` changes the layout
+        (``state.write`` here; a hand-written switch passes its own)."""
+        k, meta = self.k, self.meta
+        n = accepted.shape[0]
+        self._forward(input_ids, self.draft_layers)  # the step's tokens into the draft KV cache
+        # the bonus token sits at context + accepted; from here on, one token a request
+        context = meta.kv_lens[:n] - (k + 1)
+        write("seq_lens", torch.ones_like(meta.seq_lens[:n]))
+        token, proposals = bonus, []
+        for i in range(k):
+            write("kv_lens", (context + accepted + 1 + i).to(meta.kv_lens.dtype))
+            token = self._forward(token, self.draft_layers).argmax(-1)
+            proposals.append(token)
+        return torch.stack(proposals, 1)
+
+    # ------------------------------------------------------------------- host-side loop
+
+    def prefill(self, prompts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Write every prompt's K/V into both caches (one token a request per pass, eagerly) and
+        return each request's first generated token."""
+        n, m = len(prompts), self.meta
+        lens = torch.tensor([len(p) for p in prompts])
+        first = torch.zeros(n, dtype=torch.int64, device=self.device)
+        for i in range(int(lens.max())):
+            active = (lens > i).nonzero()[:, 0]
+            tokens = torch.stack([prompts[r][i] for r in active.tolist()]).to(self.device)
+            seq = (lens > i).to(torch.int32)
+            kv = torch.minimum(lens, torch.full_like(lens, i + 1)).to(torch.int32)
+            m.prepare(self.state, seq, kv)
+            logits = self._forward(tokens, self.target_layers)
+            with self.state.switch("draft"):
+                self._forward(tokens, self.draft_layers)
+            last = (lens[active] == i + 1).to(self.device)
+            first[active.to(self.device)[last]] = logits.argmax(-1)[last]
+        return first
+
+    def prompts(self, n: int, gen: torch.Generator, lo: int = 3, hi: int = 17) -> list[torch.Tensor]:
+        """Random prompts of uneven lengths in ``[lo, hi)``."""
+        lens = torch.randint(lo, hi, (n,), generator=gen)
+        return [torch.randint(0, self.cfg.vocab, (int(L),), generator=gen) for L in lens]
+
+    def generate(self, prompts: Sequence[torch.Tensor], steps: int, forward=None) -> list[torch.Tensor]:
+        """Run ``steps`` decode steps after prefill with ``forward`` (``self.step`` by default,
+        or a ``@graphed`` wrapper of it); return each step's accepted lengths (host tensors).
+        The first step's drafts are placeholders, so its acceptance is not the draft's."""
+        forward = forward or self.step
+        n, k, m = len(prompts), self.k, self.meta
+        context = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+        token = self.prefill(prompts)
+        drafts = token[:, None].repeat(1, k)
+        history = []
+        for _ in range(steps):
+            if int(context.max()) + 2 * k + 2 > self.cfg.max_context:
+                raise ValueError(f"max_context={self.cfg.max_context} too small for {steps} steps")
+            ids = torch.cat([token[:, None], drafts], 1).reshape(-1)
+            m.prepare(self.state, torch.full((n,), k + 1, dtype=torch.int32), context + k + 1)
+            out = forward(ids, m)
+            accepted = out.accepted.to("cpu", copy=True)  # graphed outputs are reused views: copy
+            history.append(accepted)
+            context = context + accepted.to(torch.int32)
+            token, drafts = out.bonus.clone(), out.drafts.clone()
+        return history
