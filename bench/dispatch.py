@@ -11,7 +11,7 @@ at each batch size, side by side in one run:
       frozen-argument check, replay, output slice).
 
 Each is timed as back-to-back calls (what a decode loop does) with one synchronize at the end,
-``--reps`` rounds of ``--calls`` calls, median per call. The target is (c)/(b) <= 1.3.
+``--reps`` rounds of ``--calls`` calls, the variants interleaved round by round, median per call. The target is (c)/(b) <= 1.3.
 
     python bench/dispatch.py [--reps 30] [--calls 200] [--json out.json]
 """
@@ -73,18 +73,22 @@ class HandWritten:
         return self.outs[b][:n]
 
 
-def per_call_us(fn, x, reps: int, calls: int) -> float:
-    for _ in range(20):
-        fn(x)
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def per_call_us(fns: dict, x, reps: int, calls: int) -> dict:
+    """Median per-call time of each variant over ``reps`` rounds of ``calls`` back-to-back calls,
+    the variants interleaved round by round (so clock drift hits all of them alike)."""
+    for fn in fns.values():
+        for _ in range(20):
             fn(x)
-        torch.cuda.synchronize()
-        rounds.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(rounds)
+    torch.cuda.synchronize()
+    rounds = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(x)
+            torch.cuda.synchronize()
+            rounds[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: statistics.median(v) for name, v in rounds.items()}
 
 
 def main() -> int:
@@ -110,9 +114,8 @@ def main() -> int:
             x = torch.randn(n, H, generator=g).to(dev)
             want = forward(x)
             assert torch.allclose(hand(x), want, atol=1e-4) and torch.allclose(graphed(x), want, atol=1e-4), (n, b)
-            eager = per_call_us(forward, x, a.reps, a.calls)
-            hw = per_call_us(hand, x, a.reps, a.calls)
-            gc_ = per_call_us(graphed, x, a.reps, a.calls)
+            t = per_call_us({"eager": forward, "hand": hand, "graphctl": graphed}, x, a.reps, a.calls)
+            eager, hw, gc_ = t["eager"], t["hand"], t["graphctl"]
             rows.append(dict(layers=layers, n=n, bucket=b, eager_us=eager, handwritten_us=hw, graphctl_us=gc_,
                              ratio=gc_ / hw, speedup_vs_eager=eager / gc_))
     info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda, hidden=H,

@@ -10,7 +10,8 @@ For each batch size and draft length, side by side in one run, on the same engin
       captured with ``torch.cuda.graph``; each call copies the inputs, refreshes the draft
       block table and replays.
 
-Latency per call: host clock around the call and a synchronize, median of ``--reps``.
+Latency per call: host clock around the call and a synchronize, median of ``--reps`` rounds,
+the three variants interleaved in each round (so clock drift hits all three alike).
 Targets: (b) at least 4x faster than (a) for bs <= 8; (b)/(c) <= 1.05 at every size.
 
     python bench/draft_loop.py [--reps 50] [--json out.json]
@@ -102,17 +103,21 @@ class HandWritten:
         return tuple(t[:rows] for t in self.out)
 
 
-def latency_us(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
+def latencies_us(fns: dict, reps: int) -> dict:
+    """Median latency of each call, measured interleaved (one of each per round) so clock and
+    thermal drift during the run land on every variant alike."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
     torch.cuda.synchronize()
-    samples = []
+    samples = {name: [] for name in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - t0) * 1e6)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def main() -> int:
@@ -143,9 +148,9 @@ def main() -> int:
             got_g = [t.clone() for t in graphed(ids, m)]
             got_h = [t.clone() for t in hand(ids)]
             same = all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(want, got_g, got_h))
-            eager = latency_us(lambda: eng.step(ids, m), a.reps)
-            gc_ = latency_us(lambda: graphed(ids, m), a.reps)
-            hw = latency_us(lambda: hand(ids), a.reps)
+            t = latencies_us({"eager": lambda: eng.step(ids, m), "graphctl": lambda: graphed(ids, m),
+                              "hand": lambda: hand(ids)}, a.reps)
+            eager, gc_, hw = t["eager"], t["graphctl"], t["hand"]
             rows.append(dict(k=k, bs=bs, eager_us=eager, graphctl_us=gc_, hand_us=hw, vs_eager=eager / gc_,
                              vs_hand=gc_ / hw, outputs_equal=same))
             print(f"k={k} bs={bs}: eager {eager:.0f} us, graphctl {gc_:.0f} us, hand {hw:.0f} us, same={same}",
