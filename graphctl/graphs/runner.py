@@ -282,7 +282,7 @@ class GraphRunner:
     def _load(self, lives: list[torch.Tensor], n: int, bucket: int) -> None:
         for slot, live in zip(self._slots, lives):
             slot.load(live, n, bucket)
-        if self.state is not None:  # the graph reads [:bucket]: pad [n:bucket] (nothing when n == bucket)
+        if self.state is not None and n != bucket:  # the graph reads [:bucket]: pad [n:bucket]
             self.state.pad({a: n * m for a, m in self._pad_axes.items()},
                            {a: bucket * m for a, m in self._pad_axes.items()})
 

@@ -102,6 +102,8 @@ class BoundState:
         self._aliases = self._bind_aliases()
         self._arena = self._allocate_arenas()
         self._groups = {p: self._make_groups(p) for p in PHASES}
+        self._padded = tuple((n, d, self._tensors[n]) for n, d in plan.buffers.items()
+                             if d.axis is not None and d.derive is None and not d.stable)
 
     # ----------------------------------------------------------------- bind-time checks
 
@@ -561,9 +563,8 @@ class BoundState:
             raise SwitchError("pad() inside a switch", expected="pad before entering the switch",
                               found=f"active phase {self._active.phase}", fix="pad, then switch")
         touched = []
-        for name, d in self.plan.buffers.items():
-            if d.axis in counts and d.derive is None and not d.stable:
-                t = self._tensors[name]
+        for name, d, t in self._padded:
+            if d.axis in counts:
                 n = counts[d.axis]
                 if not 0 <= n <= t.shape[d.axis_dim]:
                     raise SwitchError("pad() count outside the buffer", buffer=name,
@@ -573,8 +574,9 @@ class BoundState:
                 if end > n and d.pad.kind != "keep":
                     d.pad.apply(t.narrow(d.axis_dim, n, end - n))
                     touched.append(name)
-        for dep in self.plan.closure(touched):
-            self._recompute(dep)
+        if touched:
+            for dep in self.plan.closure(touched):
+                self._recompute(dep)
 
     def check(self) -> None:
         """Debug: recompute every derived buffer into scratch and raise ``StaleBufferError``
