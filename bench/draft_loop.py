@@ -53,8 +53,10 @@ class HandWritten:
             _token_map(m.req_idx_per_token, m.seq_lens)
         else:
             _cumsum(m.cu_kv_lens, m.kv_lens)
-        _positions(m.token_positions, m.seq_lens, m.kv_lens, m.req_idx_per_token, m.cu_seq_lens)
-        _slots(m.slot_mapping, m.block_table, m.token_positions, m.req_idx_per_token, bs)
+        _positions(m.token_positions, m.seq_lens, m.kv_lens, m.req_idx_per_token, m.cu_seq_lens, m.token_index,
+                   m.scratch_i64, m.scratch_i32)
+        _slots(m.slot_mapping, m.block_table, m.token_positions, m.req_idx_per_token, m.scratch_i64, m.scratch_i32,
+               block_size=bs)
 
     def _write(self, name: str, value: torch.Tensor) -> None:
         buf = getattr(self.m, name)
@@ -71,7 +73,8 @@ class HandWritten:
         table, mgr = m.block_table, m.kv_cache_manager
         m.block_table, m.kv_cache_manager = m.draft_block_table, m.draft_kv_cache_manager
         try:
-            _slots(m.slot_mapping, m.block_table, m.token_positions, m.req_idx_per_token, eng.cfg.block_size)
+            _slots(m.slot_mapping, m.block_table, m.token_positions, m.req_idx_per_token, m.scratch_i64,
+                   m.scratch_i32, block_size=eng.cfg.block_size)
             drafts = eng.draft_loop(input_ids, accepted, bonus, self._write)
         finally:
             m.block_table, m.kv_cache_manager = table, mgr

@@ -1,5 +1,75 @@
 """Declarations for attention-metadata families, each a spec and a reference metadata class
-that owns the same buffer set as the real engine."""
-from graphctl.backends.paged import PAGED_SPEC, KVCacheManager, PagedMetadata, paged_spec
+that owns the same buffer set as the real engine, declared as data in :data:`BACKENDS`.
 
-__all__ = ["KVCacheManager", "PAGED_SPEC", "PagedMetadata", "paged_spec"]
+| family | extends | adds |
+|---|---|---|
+| ``paged`` | - | block tables, lengths (mutable, runtime view), cumulative lengths, token map, positions, slot mapping, pinned mirrors, the KV manager swap |
+| ``trtllm`` | paged | ``kv_cache_block_offsets [P,S,2,B]`` and the host offsets, swapped to the draft's |
+| ``dsa`` | trtllm | indexer offsets refreshed from the draft manager (clamped), fp8/scale slot mappings from the bound offsets, expanded block tables, generation indptrs, ``Stable`` top-k scratch |
+| ``deepseek_v4`` | dsa | sliding block tables swapped; SWA and sparse-MLA base pointers as device tables written in place |
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from graphctl.backends.deepseek_v4 import DeepseekV4Metadata, DSv4KVCacheManager, deepseek_v4_spec
+from graphctl.backends.deepseek_v4 import not_supported_reasons as _dsv4_reasons
+from graphctl.backends.dsa import DSAKVCacheManager, DSAMetadata, dsa_spec
+from graphctl.backends.paged import PAGED_SPEC, KVCacheManager, PagedMetadata, paged_spec
+from graphctl.backends.trtllm import TrtllmKVCacheManager, TrtllmMetadata, trtllm_spec
+from graphctl.state import BoundState, Registry, StateSpec, bind
+
+__all__ = ["BACKENDS", "BackendDecl", "KVCacheManager", "PAGED_SPEC", "PagedMetadata", "TrtllmMetadata",
+           "DSAMetadata", "DeepseekV4Metadata", "paged_spec", "trtllm_spec", "dsa_spec", "deepseek_v4_spec",
+           "make_backend", "not_supported_reasons"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BackendDecl:
+    name: str
+    spec: Callable[..., StateSpec]  # spec(block_size=...)
+    metadata: type
+    manager: type
+    reasons: Callable[..., list[str]]  # reasons(**config) -> why a configuration is unsupported
+    doc: str
+
+
+def _none(**config: Any) -> list[str]:
+    return []
+
+
+BACKENDS: dict[str, BackendDecl] = {b.name: b for b in (
+    BackendDecl("paged", paged_spec, PagedMetadata, KVCacheManager, _none, "paged KV: block tables and lengths"),
+    BackendDecl("trtllm", trtllm_spec, TrtllmMetadata, TrtllmKVCacheManager, _none,
+                "TensorRT-LLM base: per-pool block offsets and the manager swap"),
+    BackendDecl("dsa", dsa_spec, DSAMetadata, DSAKVCacheManager, _none,
+                "DSA: indexer offsets, fp8 slot mappings, expanded tables, top-k scratch"),
+    BackendDecl("deepseek_v4", deepseek_v4_spec, DeepseekV4Metadata, DSv4KVCacheManager, _dsv4_reasons,
+                "DeepSeek-V4: sliding tables and device pointer tables"),
+)}
+
+
+def not_supported_reasons(name: str, **config: Any) -> list[str]:
+    """Why backend ``name`` cannot run ``config`` (empty when it can)."""
+    return BACKENDS[name].reasons(**config)
+
+
+def make_backend(name: str, *, seqs: int, blocks: int, draft_len: int, block_size: int = 8, head_dim: int = 16,
+                 layers: int = 1, device="cpu", seed: int = 0, **config: Any) -> tuple[Any, BoundState]:
+    """A metadata object of family ``name`` with its target and draft managers, bound to its
+    spec in a registry of its own. Raises ``ValueError`` with the reasons for an unsupported
+    configuration."""
+    b = BACKENDS[name]
+    reasons = b.reasons(**config)
+    if reasons:
+        raise ValueError(f"backend {name} does not support this configuration: {'; '.join(reasons)}")
+    mk = lambda tag, s: b.manager(tag, layers=layers, seqs=seqs, blocks=blocks, block_size=block_size,  # noqa: E731
+                                  head_dim=head_dim, dtype=torch.float32, device=device, seed=s)
+    meta = b.metadata(seqs=seqs, blocks=blocks, draft_len=draft_len, kv_cache_manager=mk("target", seed + 1),
+                      draft_kv_cache_manager=mk("draft", seed + 2), device=device)
+    reg = Registry()
+    reg.register(b.metadata, b.spec(block_size=block_size))
+    return meta, bind(meta, registry=reg)

@@ -18,12 +18,19 @@ to each buffer:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from graphctl import ops
-from graphctl.state import CopyInPlace, Pad, Recompute, StateSpec, Swap
+from graphctl.state import CopyInPlace, Pad, Recompute, Stable, StateSpec, Swap
 
-__all__ = ["KVCacheManager", "PagedMetadata", "PAGED_SPEC", "paged_spec"]
+__all__ = ["KVCacheManager", "PagedMetadata", "PAGED_SPEC", "SCRATCH", "paged_spec"]
+
+# Stable scratch of the derived maps (never snapshotted; contents meaningless between calls
+# except token_index, the constant 0..T-1)
+SCRATCH = (("token_index", ("T",), torch.int64), ("scratch_i64", (3, "T"), torch.int64),
+           ("scratch_i32", ("T",), torch.int32))
 
 
 class KVCacheManager:
@@ -59,19 +66,33 @@ def _token_map(out: torch.Tensor, seq_lens: torch.Tensor) -> None:
     ops.token_to_request_(out, seq_lens, out.numel(), seq_lens.numel())
 
 
-def _positions(out: torch.Tensor, seq_lens, kv_lens, req_idx, cu_seq_lens) -> None:
+# The derived maps below run inside switches, which allocate nothing (DESIGN invariant 4): every
+# temporary lives in the Stable scratch entries ``token_index`` (0..T-1), ``scratch_i64`` [3, T]
+# and ``scratch_i32`` [T], passed in as inputs.
+
+def _positions(out, seq_lens, kv_lens, req_idx, cu_seq_lens, token_index, s64, s32) -> None:
     """Position of each token: its request's cached length plus its offset in the request."""
-    r = req_idx.long().clamp(max=seq_lens.numel() - 1)
-    t = torch.arange(out.numel(), device=out.device)
-    out.copy_(kv_lens[r] - seq_lens[r] + (t - cu_seq_lens[r]))
+    r = s64[0].copy_(req_idx).clamp_(max=seq_lens.numel() - 1)
+    out.copy_(torch.index_select(kv_lens, 0, r, out=s32))
+    out.sub_(torch.index_select(seq_lens, 0, r, out=s32))
+    out.add_(token_index)
+    out.sub_(torch.index_select(cu_seq_lens, 0, r, out=s64[1]))
 
 
-def _slots(out: torch.Tensor, block_table, token_positions, req_idx, block_size: int) -> None:
-    """KV slot of each token through the bound block table (padding tokens land in range)."""
+def _page_and_offset(block_table, token_positions, req_idx, block_size, s64, s32):
+    """(page of each token through ``block_table``, its offset in the page): s32 and s64[1]."""
     S, B = block_table.shape
-    r = req_idx.long().clamp(max=S - 1)
-    pos = token_positions.clamp(0, B * block_size - 1)
-    out.copy_(block_table[r, pos // block_size].long() * block_size + pos % block_size)
+    r = s64[0].copy_(req_idx).clamp_(max=S - 1)
+    pos = torch.clamp(token_positions, 0, B * block_size - 1, out=s64[1])
+    flat = torch.floor_divide(pos, block_size, out=s64[2]).add_(r.mul_(B))
+    page = torch.index_select(block_table.view(-1), 0, flat, out=s32)
+    return page, pos.remainder_(block_size)
+
+
+def _slots(out, block_table, token_positions, req_idx, s64, s32, *, block_size: int) -> None:
+    """KV slot of each token through the bound block table (padding tokens land in range)."""
+    page, offset = _page_and_offset(block_table, token_positions, req_idx, block_size, s64, s32)
+    out.copy_(page).mul_(block_size).add_(offset)
 
 
 def paged_spec(name: str = "paged", *, block_size: int) -> StateSpec:
@@ -91,11 +112,14 @@ def paged_spec(name: str = "paged", *, block_size: int) -> StateSpec:
     spec.buffer("cu_seq_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(["seq_lens"], _cumsum))
     spec.buffer("cu_kv_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(["kv_lens"], _cumsum))
     spec.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, derive=Recompute(["seq_lens"], _token_map))
-    spec.buffer("token_positions", shape=("T",), dtype=torch.int64,
-                derive=Recompute(["seq_lens", "kv_lens", "req_idx_per_token", "cu_seq_lens"], _positions))
-    spec.buffer("slot_mapping", shape=("T",), dtype=torch.int64,
-                derive=Recompute(["block_table", "token_positions", "req_idx_per_token"],
-                                 lambda out, bt, pos, req: _slots(out, bt, pos, req, block_size)))
+    for name, shape, dtype in SCRATCH:
+        spec.buffer(name, shape=shape, dtype=dtype, draft=Stable())
+    spec.buffer("token_positions", shape=("T",), dtype=torch.int64, derive=Recompute(
+        ["seq_lens", "kv_lens", "req_idx_per_token", "cu_seq_lens", "token_index", "scratch_i64", "scratch_i32"],
+        _positions))
+    spec.buffer("slot_mapping", shape=("T",), dtype=torch.int64, derive=Recompute(
+        ["block_table", "token_positions", "req_idx_per_token", "scratch_i64", "scratch_i32"],
+        functools.partial(_slots, block_size=block_size)))
     return spec
 
 
@@ -125,6 +149,9 @@ class PagedMetadata:
         self.req_idx_per_token = torch.zeros(T, dtype=torch.int32, device=dev)
         self.token_positions = torch.zeros(T, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.zeros(T, dtype=torch.int64, device=dev)
+        self.token_index = torch.arange(T, dtype=torch.int64, device=dev)
+        self.scratch_i64 = torch.zeros(3, T, dtype=torch.int64, device=dev)
+        self.scratch_i32 = torch.zeros(T, dtype=torch.int32, device=dev)
 
     def prepare(self, state, seq_lens: torch.Tensor, kv_lens: torch.Tensor) -> None:
         """Fill the buffers for a batch of ``len(seq_lens)`` requests (host code before a

@@ -35,7 +35,8 @@ class GraphMachine(SwitchMachine):
         # Each segment reads only what the spec declares it reads: a target read of a buffer
         # refreshed before replay is the bug the declaration exists to refuse.
         bufs = self.plan.buffers
-        names = [n for n in self.names if getattr(obj, n).device == x.device]
+        # Stable scratch holds no state worth reading: its contents are free between calls
+        names = [n for n in self.names if getattr(obj, n).device == x.device and not bufs[n].stable]
         acc = x * 1.0
         for n in names:
             if "target" in bufs[n].readers:
