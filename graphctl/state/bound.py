@@ -23,8 +23,9 @@ import torch
 
 from graphctl import ops
 from graphctl.errors import BindError, CorruptedStateError, StaleBufferError, SwitchError
+from graphctl.state.arena import Group, allocate_arenas, make_groups
 from graphctl.state.phase import resolve_phase
-from graphctl.state.plan import NESTING_PHASES, PHASES, Plan, compile_spec
+from graphctl.state.plan import PHASES, Plan, compile_spec
 from graphctl.state.registry import Registry, default_registry
 from graphctl.state.spec import BufferDecl, CopyInPlace
 from graphctl.state.transaction import FaultHook, Switch, Step
@@ -32,7 +33,6 @@ from graphctl.state.transaction import FaultHook, Switch, Step
 __all__ = ["bind", "BoundState", "ROLES"]
 
 ROLES = ("draft",)
-_ALIGN = 64  # arena slots start on 64-byte boundaries (typed views and vector loads need it)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -51,19 +51,6 @@ def bind(obj: Any, *, registry: Registry | None = None, dims: Mapping[str, int] 
     """Bind ``obj`` to the spec registered for its type (see :class:`BoundState`)."""
     spec = (registry or default_registry).lookup(type(obj))
     return BoundState(obj, compile_spec(spec), dims=dims)
-
-
-class _Group:
-    """The buffers of one phase on one device: one fused op per direction."""
-
-    __slots__ = ("device", "names", "statics", "arenas", "copies")
-
-    def __init__(self, device, names, statics, arenas, copies) -> None:
-        self.device = device
-        self.names: tuple[str, ...] = names
-        self.statics: tuple[torch.Tensor, ...] = statics
-        self.arenas: tuple[torch.Tensor, ...] = arenas
-        self.copies: tuple[tuple[int, str, CopyInPlace], ...] = copies  # (index, buffer, action)
 
 
 class BoundState:
@@ -100,8 +87,8 @@ class BoundState:
         self._validate()
         self._manifest = tuple(list(self._tensors.items()) + list(self._objects.items()))
         self._aliases = self._bind_aliases()
-        self._arena = self._allocate_arenas()
-        self._groups = {p: self._make_groups(p) for p in PHASES}
+        self._arena = allocate_arenas(self.plan, self._tensors, self.device)
+        self._groups = {p: make_groups(self.plan, p, self._tensors, self._arena) for p in PHASES}
         self._padded = tuple((n, d, self._tensors[n]) for n, d in plan.buffers.items()
                              if d.axis is not None and d.derive is None and not d.stable)
 
@@ -263,45 +250,6 @@ class BoundState:
                                     f"add aliases=('{attr}',) so the swap re-points it with the base")
         return out
 
-    def _allocate_arenas(self) -> dict[tuple[str, str], torch.Tensor]:
-        """Snapshot slots keyed ``(family, name)``: phases that never overlap share the ``main``
-        family; a nesting phase (``refresh``) has its own, see ``plan.NESTING_PHASES``."""
-        names: list[tuple[str, str]] = []
-        for p in PHASES:
-            fam = p if p in NESTING_PHASES else "main"
-            names.extend((fam, n) for n in self.plan.phases[p].snapshot if (fam, n) not in names)
-        by_dev: dict[torch.device, list[tuple[str, str]]] = {}
-        for key in names:
-            by_dev.setdefault(self._tensors[key[1]].device, []).append(key)
-        arena: dict[tuple[str, str], torch.Tensor] = {}
-        for dev, group in by_dev.items():
-            offsets, total = [], 0
-            for _, n in group:
-                offsets.append(total)
-                t = self._tensors[n]
-                total += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN
-            pin = dev.type == "cpu" and self.device.type == "cuda"
-            flat = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=dev, pin_memory=pin)
-            for key, off in zip(group, offsets):
-                t = self._tensors[key[1]]
-                nbytes = t.numel() * t.element_size()
-                arena[key] = flat[off:off + nbytes].view(t.dtype).view(t.shape)
-        return arena
-
-    def _make_groups(self, phase: str) -> tuple[_Group, ...]:
-        pp = self.plan.phases[phase]
-        copies = {n: act for n, act in pp.copies}
-        by_dev: dict[torch.device, list[str]] = {}
-        for n in pp.snapshot:
-            by_dev.setdefault(self._tensors[n].device, []).append(n)
-        groups = []
-        fam = phase if phase in NESTING_PHASES else "main"
-        for dev, names in by_dev.items():
-            cps = tuple((i, n, copies[n]) for i, n in enumerate(names) if n in copies)
-            groups.append(_Group(dev, tuple(names), tuple(self._tensors[n] for n in names),
-                                 tuple(self._arena[fam, n] for n in names), cps))
-        return tuple(groups)
-
     # ---------------------------------------------------------------------- introspection
 
     @property
@@ -438,7 +386,7 @@ class BoundState:
             self._step_cache[phase] = steps
         return steps
 
-    def _snapshot_step(self, g: _Group) -> Step:
+    def _snapshot_step(self, g: Group) -> Step:
         statics, arenas = list(g.statics), list(g.arenas)
         validated: dict[int, Any] = {}  # copy index -> the source object last checked
 

@@ -1,0 +1,76 @@
+"""Snapshot arenas and copy groups: the storage a switch snapshots into, allocated once at bind.
+
+One flat, 64-byte-aligned allocation per device holds a slot for every buffer any phase
+snapshots (pinned when it is host memory of a CUDA state). Phases that never overlap share the
+``main`` slots; a nesting phase (``refresh``, open while a graph that recorded a ``capture``
+switch replays) has slots of its own. A :class:`Group` is one phase's buffers on one device:
+one fused op per direction."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from graphctl.state.plan import NESTING_PHASES, PHASES, Plan
+from graphctl.state.spec import CopyInPlace
+
+__all__ = ["Group", "allocate_arenas", "make_groups"]
+
+_ALIGN = 64  # arena slots start on 64-byte boundaries (typed views and vector loads need it)
+
+
+class Group:
+    """The buffers of one phase on one device: one fused op per direction."""
+
+    __slots__ = ("device", "names", "statics", "arenas", "copies")
+
+    def __init__(self, device, names, statics, arenas, copies) -> None:
+        self.device = device
+        self.names: tuple[str, ...] = names
+        self.statics: tuple[torch.Tensor, ...] = statics
+        self.arenas: tuple[torch.Tensor, ...] = arenas
+        self.copies: tuple[tuple[int, str, CopyInPlace], ...] = copies  # (index, buffer, action)
+
+
+def allocate_arenas(plan: Plan, tensors: Mapping[str, torch.Tensor],
+                    state_device: torch.device) -> dict[tuple[str, str], torch.Tensor]:
+    """Snapshot slots keyed ``(family, name)``: phases that never overlap share the ``main``
+    family; a nesting phase (``refresh``) has its own, see ``plan.NESTING_PHASES``."""
+    names: list[tuple[str, str]] = []
+    for p in PHASES:
+        fam = p if p in NESTING_PHASES else "main"
+        names.extend((fam, n) for n in plan.phases[p].snapshot if (fam, n) not in names)
+    by_dev: dict[torch.device, list[tuple[str, str]]] = {}
+    for key in names:
+        by_dev.setdefault(tensors[key[1]].device, []).append(key)
+    arena: dict[tuple[str, str], torch.Tensor] = {}
+    for dev, group in by_dev.items():
+        offsets, total = [], 0
+        for _, n in group:
+            offsets.append(total)
+            t = tensors[n]
+            total += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN
+        pin = dev.type == "cpu" and state_device.type == "cuda"
+        flat = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=dev, pin_memory=pin)
+        for key, off in zip(group, offsets):
+            t = tensors[key[1]]
+            nbytes = t.numel() * t.element_size()
+            arena[key] = flat[off:off + nbytes].view(t.dtype).view(t.shape)
+    return arena
+
+
+def make_groups(plan: Plan, phase: str, tensors: Mapping[str, torch.Tensor],
+                arena: Mapping[tuple[str, str], torch.Tensor]) -> tuple[Group, ...]:
+    """Per device, the buffers ``phase`` snapshots, their arena slots, and which are copy targets."""
+    pp = plan.phases[phase]
+    copies = {n: act for n, act in pp.copies}
+    by_dev: dict[torch.device, list[str]] = {}
+    for n in pp.snapshot:
+        by_dev.setdefault(tensors[n].device, []).append(n)
+    groups = []
+    fam = phase if phase in NESTING_PHASES else "main"
+    for dev, names in by_dev.items():
+        cps = tuple((i, n, copies[n]) for i, n in enumerate(names) if n in copies)
+        groups.append(Group(dev, tuple(names), tuple(tensors[n] for n in names),
+                            tuple(arena[fam, n] for n in names), cps))
+    return tuple(groups)
