@@ -330,6 +330,8 @@ CASES: list[Case] = [
          lambda: (lambda r, m, x: r.capture_all(x, m))(*_runner())),
     Case("measure-early", CaptureError, "capture", "measure() before any capture",
          lambda: _runner(capture=False)[0].measure()),
+    Case("verify-early", CaptureError, "capture", "verify() before any capture",
+         lambda: _runner(capture=False)[0].verify()),
     Case("replay-too-large", ReplayError, "replay", "a batch larger than the largest bucket",
          lambda: (lambda r, m, x: r(torch.ones(5, 4), m))(*_runner())),
     Case("replay-batch", ReplayError, "replay", "a first input whose rows are not whole batch items",

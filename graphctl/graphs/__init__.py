@@ -5,6 +5,7 @@ from graphctl.graphs.decorator import graphed
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
 from graphctl.graphs.report import SCHEMA, BucketReport, Report, Segment
 from graphctl.graphs.runner import GraphRunner
+from graphctl.graphs.verify import Mismatch, VerifyResult
 
 __all__ = ["BACKENDS", "DEFAULT_BUCKETS", "SCHEMA", "BucketReport", "Buckets", "GraphRunner", "Report", "Segment",
-           "StaticInput", "graphed", "select_backend", "unsupported_reasons"]
+           "StaticInput", "Mismatch", "VerifyResult", "graphed", "select_backend", "unsupported_reasons"]

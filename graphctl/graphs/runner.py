@@ -44,6 +44,7 @@ from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs.backends import select_backend
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, InputSlot, StaticInput
 from graphctl.graphs.report import BucketReport, Report, Segment
+from graphctl.graphs.verify import verify as _verify
 from graphctl.state import BoundState, bind
 
 __all__ = ["GraphRunner"]
@@ -472,6 +473,11 @@ class GraphRunner:
                 cap.replay_us = _median_us(self._backend, lambda: self(*args, **kwargs), iters)
                 cap.eager_us = _median_us(self._backend, lambda: self.fn(*args, **kwargs), iters)
         return self
+
+    def verify(self, **options: Any) -> tuple:
+        """Eager against replay per bucket, on fresh random inputs with outputs and padding
+        poisoned first; see :func:`graphctl.graphs.verify.verify` (``gen``, ``rtol``, ``atol``)."""
+        return _verify(self, **options)
 
     def report(self) -> Report:
         """Per bucket: capture ms, pool bytes, nodes, segments, replay/eager µs (see ``report`` module)."""

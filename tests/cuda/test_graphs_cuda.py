@@ -156,3 +156,11 @@ def test_graph_machine_on_cuda():
 
     CudaGraphMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=15, deadline=None)
     CudaGraphMachine.TestCase("runTest").runTest()
+
+
+def test_verify_on_cuda_graphs(toy):
+    tokens, positions = toy.batch(5)
+    toy.forward.capture_all(tokens, positions, toy.meta)
+    results = toy.forward.verify(gen=torch.Generator().manual_seed(3))
+    assert all(r.ok for r in results), [str(r) for r in results]
+    assert {r.bucket for r in results} == set(toy.forward.captured)

@@ -38,3 +38,19 @@ def test_graph_and_eager_write_the_same_kv_for_live_tokens(gen):
                 slots = ma.block_ids[r, rows // bs].long() * bs + rows % bs
                 torch.testing.assert_close(x.view(-1, x.shape[-1])[slots], y.view(-1, y.shape[-1])[slots],
                                            rtol=1e-5, atol=1e-5, msg=f"{mgr} request {r}")
+
+
+def test_verify_mode_on_the_engine(gen):
+    # Eager vs replay on fresh token ids at every bucket, outputs and padding poisoned first.
+    import graphctl
+    from graphctl import StaticInput
+    from graphctl.models import EngineConfig, MTPEngine
+
+    eng = MTPEngine(EngineConfig(draft_len=3, max_seqs=8))
+    m, st = eng.meta, eng.state
+    m.prepare(st, torch.full((5,), 4, dtype=torch.int32), torch.randint(4, 40, (5,), generator=gen, dtype=torch.int32))
+    f = graphctl.graphed(eng.step, buckets=[2, 4, 8], state=st, backend="emulated", progress=False,
+                         inputs=[StaticInput("input_ids", per_item=4)])
+    f.capture_all(torch.randint(0, 96, (20,), generator=gen), m)
+    results = f.verify(gen=gen)
+    assert len(results) >= 3 and all(r.ok for r in results), [str(r) for r in results]

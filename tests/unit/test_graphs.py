@@ -294,3 +294,27 @@ def test_mutable_state_unchanged_by_measure(toy):
     toy.forward.measure(iters=2)
     for n, t in before.items():
         assert torch.equal(toy.state.tensor(n), t), n
+
+
+def test_verify_passes_on_a_correct_forward_at_every_bucket(toy):
+    tokens, positions = toy.batch(3)
+    toy.forward.capture_all(tokens, positions, toy.meta)
+    results = toy.forward.verify(gen=torch.Generator().manual_seed(7))
+    assert {r.bucket for r in results} == {1, 2, 4, 8, 16} and all(r.ok for r in results), [str(r) for r in results]
+    assert any(r.n < r.bucket for r in results)  # padding exercised
+
+
+def test_verify_names_the_output_and_index_a_frozen_host_value_breaks(gen):
+    scale = [2.0]
+    w = torch.randn(4, 4, generator=gen)
+
+    @graphctl.graphed(buckets=[2, 4], backend="emulated", progress=False)
+    def f(x):
+        return x @ w, x * scale[0]  # the second output bakes scale at capture
+
+    f.capture_all(torch.randn(3, 4, generator=gen))
+    assert all(r.ok for r in f.verify())
+    scale[0] = 3.0  # eager sees the new value, the graph replays the old one
+    bad = [r for r in f.verify()]
+    assert bad and all(not r.ok and r.mismatch.output == "[1]" for r in bad), [str(r) for r in bad]
+    assert "output [1] differs first at index" in str(bad[0])

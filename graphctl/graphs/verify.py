@@ -1,0 +1,123 @@
+"""Verify mode: for each bucket, the eager forward and the graph replay on the same fresh random
+inputs, outputs and input padding poisoned before the replay, compared output by output.
+
+``runner.verify()`` returns one :class:`VerifyResult` per bucket; a failing one names the first
+mismatching output (its pytree path), the first mismatching index, and the two values. Random
+inputs follow the capture example: integers drawn in the example's ``[min, max]`` (token ids
+stay in the vocabulary), floats with its mean and spread. Each bucket is checked at ``n`` equal
+to the bucket and, for buckets above the smallest, at an ``n`` in between (so padding is live).
+Both runs start from the same state: every non-``Stable`` buffer is restored between them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import keystr, tree_flatten_with_path
+
+from graphctl.errors import CaptureError
+from graphctl.state import BoundState
+
+if TYPE_CHECKING:
+    from graphctl.graphs.runner import GraphRunner
+
+__all__ = ["Mismatch", "VerifyResult", "verify"]
+
+_POISON = {True: float("nan"), False: -(2**30)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mismatch:
+    output: str  # pytree path of the output, e.g. "[0]" or ".drafts"
+    index: tuple[int, ...]
+    expected: Any
+    found: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerifyResult:
+    bucket: int
+    n: int
+    outputs: int
+    mismatch: Mismatch | None
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatch is None
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"bucket {self.bucket} (n={self.n}): {self.outputs} outputs equal"
+        m = self.mismatch
+        return (f"bucket {self.bucket} (n={self.n}): output {m.output} differs first at index {m.index}: "
+                f"eager {m.expected}, replay {m.found}")
+
+
+def _like(example: torch.Tensor, rows: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+    shape = list(example.shape)
+    shape[dim] = rows
+    if example.dtype.is_floating_point:
+        std = float(example.float().std()) if example.numel() > 1 else 1.0
+        v = torch.randn(shape, generator=gen) * (std or 1.0) + float(example.float().mean())
+    elif example.dtype == torch.bool:
+        v = torch.randint(0, 2, shape, generator=gen).bool()
+    else:
+        lo, hi = int(example.min()), int(example.max())
+        v = torch.randint(lo, hi + 1, shape, generator=gen)
+    return v.to(example.dtype).to(example.device)
+
+
+def _first_difference(want: torch.Tensor, got: torch.Tensor, rtol: float, atol: float):
+    if want.shape != got.shape:
+        return (), tuple(want.shape), tuple(got.shape)
+    if want.dtype.is_floating_point:
+        a, b = want.double(), got.double()
+        bad = ~(torch.isclose(a, b, rtol=rtol, atol=atol) | (torch.isnan(a) & torch.isnan(b)))
+    else:
+        bad = want != got
+    if not bool(bad.any()):
+        return None
+    idx = tuple(int(i) for i in bad.nonzero()[0])
+    return idx, want[idx].item(), got[idx].item()
+
+
+def verify(runner: "GraphRunner", *, gen: torch.Generator | None = None, rtol: float = 1e-5,
+           atol: float = 1e-5) -> tuple[VerifyResult, ...]:
+    from graphctl.graphs.runner import _Guard  # the runner's snapshot helper (same layer)
+
+    if runner._example is None:
+        raise CaptureError("nothing captured yet", expected="capture_all() or a call first", found="no graphs",
+                           fix="call capture_all(*example) before verify()")
+    gen = gen or torch.Generator().manual_seed(0)
+    arguments = runner._arguments(*runner._example)
+    sizes = runner.buckets.sizes
+    results = []
+    for i, b in enumerate(sizes):
+        ns = [b] if i == 0 else sorted({b, int(torch.randint(sizes[i - 1] + 1, b + 1, (1,), generator=gen))})
+        for n in ns:
+            lives = {si.name: _like(arguments[si.name], n * si.per_item, si.dim, gen) for si in runner._inputs}
+            args, kwargs = runner._assemble({**arguments, **lives})
+            with _Guard(runner.state, BoundState.restorable_names) as state:
+                with torch.no_grad():
+                    want, _ = tree_flatten_with_path(runner.fn(*args, **kwargs))
+                want = [(p, t.clone() if isinstance(t, torch.Tensor) else t) for p, t in want]
+                state.restore()
+                for t in runner.outputs(b):
+                    t.fill_(_POISON[t.dtype.is_floating_point])
+                for slot in runner._slots:
+                    tail = slot.static.narrow(slot.spec.dim, n * slot.spec.per_item,
+                                              slot.static.shape[slot.spec.dim] - n * slot.spec.per_item)
+                    tail.fill_(_POISON[tail.dtype.is_floating_point] if tail.dtype != torch.bool else True)
+                got, _ = tree_flatten_with_path(runner(*args, **kwargs))
+                got = [(p, t.clone() if isinstance(t, torch.Tensor) else t) for p, t in got]
+            mismatch = None
+            for (path, w), (_, g) in zip(want, got):
+                if not isinstance(w, torch.Tensor):
+                    continue
+                diff = _first_difference(w, g, rtol, atol)
+                if diff is not None:
+                    mismatch = Mismatch(keystr(path) or "<output>", *diff)
+                    break
+            results.append(VerifyResult(b, n, len(want), mismatch))
+    return tuple(results)
