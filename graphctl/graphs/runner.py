@@ -44,6 +44,7 @@ from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs.backends import select_backend
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, InputSlot, StaticInput
 from graphctl.graphs.report import BucketReport, Report, Segment
+from graphctl.graphs.audit import audit_segments
 from graphctl.graphs.verify import verify as _verify
 from graphctl.state import BoundState, bind
 
@@ -478,6 +479,10 @@ class GraphRunner:
         """Eager against replay per bucket, on fresh random inputs with outputs and padding
         poisoned first; see :func:`graphctl.graphs.verify.verify` (``gen``, ``rtol``, ``atol``)."""
         return _verify(self, **options)
+
+    def audit(self) -> dict[int, list]:
+        """Per bucket, the segment audit's findings (emulated graphs; see ``graphs/audit.py``)."""
+        return {b: audit_segments(self, b) for b in self.captured}
 
     def report(self) -> Report:
         """Per bucket: capture ms, pool bytes, nodes, segments, replay/eager µs (see ``report`` module)."""

@@ -40,8 +40,8 @@ def test_graph_and_eager_write_the_same_kv_for_live_tokens(gen):
                                            rtol=1e-5, atol=1e-5, msg=f"{mgr} request {r}")
 
 
-def test_verify_mode_on_the_engine(gen):
-    # Eager vs replay on fresh token ids at every bucket, outputs and padding poisoned first.
+def test_verify_and_segment_audit_on_the_engine(gen):
+    # Eager vs replay on fresh token ids at every bucket, outputs and padding poisoned first; no audit errors.
     import graphctl
     from graphctl import StaticInput
     from graphctl.models import EngineConfig, MTPEngine
@@ -54,3 +54,5 @@ def test_verify_mode_on_the_engine(gen):
     f.capture_all(torch.randint(0, 96, (20,), generator=gen), m)
     results = f.verify(gen=gen)
     assert len(results) >= 3 and all(r.ok for r in results), [str(r) for r in results]
+    errors = [str(x) for fs in f.audit().values() for x in fs if x.severity == "error"]
+    assert not errors, errors  # the engine's target never reads the refreshed draft twin
