@@ -150,9 +150,10 @@ class GraphRunner:
         self.buckets = Buckets(buckets)
         # state="attr" names the instance's metadata when a method is decorated (see __get__)
         self._state_attr = state if isinstance(state, str) else None
-        self.state = state if state is None or isinstance(state, (BoundState, str)) else bind(state)
-        if isinstance(self.state, str):
-            self.state = None
+        if state is None or self._state_attr is not None:
+            self.state = None  # a method's state is bound per instance, in __get__
+        else:
+            self.state = state if isinstance(state, BoundState) else bind(state)
         if fallback not in ("error", "eager"):
             raise DeclarationError("unknown fallback", expected="'error' or 'eager'", found=fallback,
                                    fix="fallback='eager' runs unservable batches eagerly (logged); 'error' raises")
@@ -173,10 +174,8 @@ class GraphRunner:
                                        expected=f"one of {self._params}", found=si.name, fix="fix the name in inputs=")
         self._pad_axes = dict(pad_axes) if pad_axes is not None else None
         self._graphs: dict[int, _Captured] = {}
-        self._statics: dict[str, torch.Tensor] = {}
         self._slots: tuple[InputSlot, ...] = ()
         self._in_pos: tuple[int, ...] = ()
-        self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._frozen: dict[str, Any] = {}
         self._fallbacks: dict[str, int] = {}
         self._backend: Any = None
@@ -228,7 +227,8 @@ class GraphRunner:
         return live.shape[first.dim] // first.per_item, lives
 
     def _call_args(self, arguments: dict[str, Any], bucket: int) -> tuple[tuple, dict]:
-        return self._assemble({**arguments, **self._views[bucket]})
+        views = {slot.spec.name: slot.spec.view(slot.static, bucket) for slot in self._slots}
+        return self._assemble({**arguments, **views})
 
     def _assemble(self, values: dict[str, Any]) -> tuple[tuple, dict]:
         args, kwargs = [], {}
@@ -258,25 +258,22 @@ class GraphRunner:
         if not self._inputs:
             raise DeclarationError("the forward has no static input", expected="at least one tensor argument",
                                    found=list(arguments), fix="declare inputs=('input_ids', ...)")
-        for si in self._inputs:
-            self._statics[si.name] = si.allocate(arguments[si.name], self.buckets.largest)
-        self._slots = tuple(InputSlot(si, self._statics[si.name]) for si in self._inputs)
+        self._slots = tuple(InputSlot(si, si.allocate(arguments[si.name], self.buckets.largest))
+                            for si in self._inputs)
         self._in_pos = tuple(self._pos[si.name] for si in self._inputs)
         first = self._inputs[0]
         if self._pad_axes is None:
             self._pad_axes = {"seq": 1, "token": first.per_item}
-        device = self._statics[first.name].device
+        device = self._slots[0].device
         self._backend = select_backend(self.backend_name, device)
         self._guard = _Guard(self.state, BoundState.mutable_names)
         # the replay-time refreshes of draft twins; a spec without any needs no switch around replay
         self._refreshes = self.state is not None and bool(self.state.snapshot_names("refresh"))
         static_names = {si.name for si in self._inputs}
         self._frozen = {n: v for n, v in arguments.items() if n not in static_names}
-        self._views = {b: {si.name: si.view(self._statics[si.name], b) for si in self._inputs}
-                       for b in self.buckets.sizes}
         n, lives = self._batch((), arguments)
-        for si, live in zip(self._inputs, lives):
-            err = si.check(live, self._statics[si.name], n)
+        for slot, live in zip(self._slots, lives):
+            err = slot.spec.check(live, slot.static, n)
             if err is not None:
                 raise err
         return n
@@ -364,14 +361,18 @@ class GraphRunner:
         with self._guard:
             graph, out = self._backend.capture(body, pool, bucket)
         ms = (time.perf_counter() - t0) * 1e3
-        self._graphs[bucket] = _Captured(graph, out, bucket, self._manifest(bucket),
+        self._graphs[bucket] = _Captured(graph, out, bucket, self._manifest(),
                                          _segments(marks, graph.node_count), ms)
 
-    def _manifest(self, bucket: int) -> dict[str, int]:
-        man = {f"input:{n}": v.data_ptr() for n, v in self._views[bucket].items()}
+    def _manifest(self) -> dict[str, int]:
+        man = self._input_addresses()
         if self.state is not None:
             man.update(self.state.addresses())
         return man
+
+    def _input_addresses(self) -> dict[str, int]:
+        # every bucket's view starts at its static buffer's first byte
+        return {f"input:{slot.spec.name}": slot.static.data_ptr() for slot in self._slots}
 
     def _progress(self):
         show = self.progress
@@ -387,8 +388,6 @@ class GraphRunner:
     def reset(self) -> None:
         """Drop every graph (and the static inputs); the next call captures again."""
         self._graphs.clear()
-        self._statics.clear()
-        self._views.clear()
         self._slots, self._in_pos = (), ()
         self._inputs = self._declared
         self._example = None
@@ -414,7 +413,7 @@ class GraphRunner:
         cap = self._graphs[bucket]
         self._load(lives, n, bucket)
         if not cap.checked or knobs.check_manifest:
-            self._check_manifest(cap, bucket)
+            self._check_manifest(cap)
         self._replay(cap)
         return cap.outputs(n)
 
@@ -445,8 +444,8 @@ class GraphRunner:
                                    "capture again")
         return None
 
-    def _check_manifest(self, cap: _Captured, bucket: int) -> None:
-        live = {f"input:{n}": v.data_ptr() for n, v in self._views[bucket].items()}
+    def _check_manifest(self, cap: _Captured) -> None:
+        live = self._input_addresses()
         if self.state is not None:
             live.update(self.state.live_addresses())
         for name, want in cap.manifest.items():
@@ -501,7 +500,7 @@ class GraphRunner:
 
     def static_input(self, name: str) -> torch.Tensor:
         """The static buffer behind input ``name`` (tests poison its padding with it)."""
-        return self._statics[name]
+        return next(slot.static for slot in self._slots if slot.spec.name == name)
 
     def graph(self, bucket: int) -> Any:
         """The backend graph of ``bucket`` (``.replay()``, ``.node_count``, ``.pool_bytes``)."""
