@@ -24,7 +24,7 @@ import torch
 from graphctl.errors import CaptureError
 from graphctl.state.phase import capture_invalidated
 
-__all__ = ["CudaBackend", "CudaGraph", "node_count", "capturing_node_count"]
+__all__ = ["CudaBackend", "CudaGraph", "node_count", "capturing_node_count", "refuse_nested_capture"]
 
 
 def _rt():
@@ -54,6 +54,14 @@ def capturing_node_count(stream: torch.cuda.Stream) -> int:
         return -1
     n = node_count(int(graph))
     return -1 if n is None else n
+
+
+def refuse_nested_capture(bucket: int | None = None) -> None:
+    """Raise before anything is warmed up, allocated or begun inside another running capture."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise CaptureError("a capture is already running on the current stream", expected="no capture running",
+                           found="an active capture", fix="capture graphs one at a time, outside other captures",
+                           bucket=bucket)
 
 
 class CudaGraph:
@@ -107,10 +115,7 @@ class CudaBackend:
         if self.stream == torch.cuda.default_stream(self.device):
             raise CaptureError("capture stream is the default stream", expected="a side stream",
                                found="the default stream", fix="pass a torch.cuda.Stream()", bucket=bucket)
-        if torch.cuda.is_current_stream_capturing():
-            raise CaptureError("a capture is already running on the current stream", expected="no capture running",
-                               found="an active capture", fix="capture graphs one at a time, outside other captures",
-                               bucket=bucket)
+        refuse_nested_capture(bucket)
 
     def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int) -> tuple[CudaGraph, Any]:
         self._check_preconditions(bucket)

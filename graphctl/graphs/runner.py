@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from graphctl.debug import knobs
 from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs.backends import select_backend
+from graphctl.graphs.cuda import refuse_nested_capture
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, InputSlot, StaticInput
 from graphctl.graphs.report import BucketReport, Report, Segment
 from graphctl.graphs.audit import audit_segments
@@ -298,10 +299,7 @@ class GraphRunner:
 
         The example call fixes dtypes, devices, non-batch dims and every non-input argument;
         its first ``min(n, bucket)`` items fill each bucket's inputs, the rest is padding."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            # checked before anything is allocated or warmed up: inside a capture that would be recorded
-            raise CaptureError("a capture is already running on the current stream", expected="no capture running",
-                               found="an active capture", fix="call capture_all() outside other captures")
+        refuse_nested_capture()  # before anything is allocated or warmed up: a capture would record it
         if self._graphs:
             raise CaptureError("graphs are already captured", expected="one capture_all per runner",
                                found=f"buckets {sorted(self._graphs)}", fix="call reset() first to capture again")
