@@ -1,94 +1,232 @@
-"""Segment audit of an emulated capture: which declared buffers each segment reads and writes,
-found by storage identity from the recorded ops, checked against the declared readers.
+"""Audits of a captured graph: where every address in it points, and which declared buffers each
+segment touches, checked against the declarations. Both backends describe their graphs as
+:class:`~graphctl.graphs.nodes.Node` lists, so the audit is one piece of code: kernel arguments
+and copy addresses on CUDA, recorded ops' tensors (by storage identity) on the emulated backend.
 
-- **error**: a target-role segment (``target`` or ``post``) reads a buffer that is refreshed in
-  place before replay (or recomputed from one). At replay the refresh runs before the whole
-  graph, so the target would read draft contents (TensorRT-LLM #16887). The finding names the
-  op that reads it.
-- **warning**: a buffer declared as read by a segment role that no op of that role reads.
+**Pointer audit.** Every address is classified against the memory the runner knows
+(:class:`~graphctl.graphs.nodes.Region`): a declared buffer or twin (with its offset),
+graphctl's snapshot arenas, the runner's static inputs and outputs, frozen tensor arguments,
+parameters the caller registered (``params=``), the graph's private pool; failing those, the
+caching allocator's blocks outside the pool.
 
-graphctl's own ops (the switch's fused snapshot and restore) are the declared machinery and
-are not counted as reads or writes. The CUDA pointer audit (issue 6) will report the same
-findings from kernel arguments.
+- **error** ``dangling``: an address in a *freed* allocator block (emulated: a tensor from
+  outside the capture that only the graph still holds). The graph reads or writes memory the
+  allocator may hand to anyone: the temporary allocated outside the pool (TensorRT-LLM #16290).
+- **warning** ``unregistered``: an address in a live allocator block that nobody registered.
+  Often a model weight not passed as ``params=``; in a library launch (arguments passed through
+  ``extra``, like cuBLAS) it is the library's workspace and is counted, not reported.
+- Addresses in no known memory (sizes that look like pointers, TMA descriptor fields, memory
+  from ``cudaMalloc`` outside torch) are counted as ``unknown``.
+
+**Segment audit.** The nodes between switch boundaries form the segments (target, draft,
+post). graphctl's own switch kernels are the declared machinery and are skipped.
+
+- **error** ``refreshed-in-target``: a target-role segment (``target`` or ``post``) touches a
+  buffer that is refreshed in place before replay (or recomputed from one). The refresh runs
+  before the whole graph, so the target would read draft contents (TensorRT-LLM #16887). Named
+  with the kernel or op.
+- **warning** ``unread-reader``: a buffer whose ``readers=`` names a role that no node of that
+  role touches. Buffers left at the default readers (any segment), host mirrors and ``Stable``
+  scratch declare nothing to check.
+
+Kernel arguments do not say whether a kernel reads or writes a pointer, so on CUDA a "touch"
+counts as both.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import io
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
-from torch.utils._pytree import tree_leaves
 
-from graphctl.graphs.emulated import EmulatedGraph
+from graphctl.graphs.nodes import Node, Region, census
+from graphctl.state.spec import DEFAULT_READERS
 
 if TYPE_CHECKING:
     from graphctl.graphs.runner import GraphRunner
 
-__all__ = ["Finding", "audit_segments"]
+__all__ = ["Finding", "Audit", "AddressMap", "audit_graph", "allocator_regions", "param_tensors"]
+
+# Lookup order: the most specific name wins where regions overlap (an output lives in the pool).
+_PRIORITY = {"buffer": 0, "arena": 0, "input": 0, "output": 1, "argument": 1, "param": 1, "pool": 2,
+             "freed": 3, "live": 4}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Finding:
     severity: str  # "error" or "warning"
-    buffer: str
-    segment: str
-    op: str | None
+    kind: str  # "dangling", "unregistered", "refreshed-in-target", "unread-reader"
+    buffer: str  # the buffer or memory region concerned
+    segment: str  # the segment (or role, for unread-reader) it was found in
+    op: str | None  # the kernel or op name
     message: str
+    node: int | None = None
+    where: str = ""  # which argument held the address
 
     def __str__(self) -> str:
-        where = f" (op {self.op})" if self.op else ""
-        return f"{self.severity}: [{self.buffer}] {self.message} in segment {self.segment}{where}"
+        at = f" (node {self.node}: {self.op}, {self.where})" if self.node is not None else ""
+        return f"{self.severity} {self.kind}: [{self.buffer}] {self.message} in segment {self.segment}{at}"
 
 
-def _is_view(func) -> bool:
-    rets = func._schema.returns
-    return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+@dataclasses.dataclass(frozen=True, slots=True)
+class Audit:
+    """One bucket's audit: findings, what each segment touched, and the census."""
+
+    bucket: int
+    findings: tuple[Finding, ...]
+    usage: Mapping[str, Mapping[str, str]]  # segment -> buffer -> "read" / "write" / "read+write" / "touch"
+    classes: Mapping[str, int]  # region kind (or "unknown") -> addresses classified as such
+    census: Mapping[str, Mapping[str, int]]
+
+    @property
+    def errors(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.severity == "error")
+
+    @property
+    def warnings(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.severity == "warning")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bucket": self.bucket, "errors": len(self.errors), "warnings": len(self.warnings),
+                "findings": [dataclasses.asdict(f) for f in self.findings],
+                "usage": {s: dict(u) for s, u in self.usage.items()}, "classes": dict(self.classes),
+                "census": {k: dict(v) for k, v in self.census.items()}}
+
+    def __str__(self) -> str:
+        buf = io.StringIO()
+        buf.write(f"bucket {self.bucket}: {len(self.errors)} errors, {len(self.warnings)} warnings; "
+                  f"addresses: {', '.join(f'{k} {v}' for k, v in sorted(self.classes.items()))}\n")
+        for seg, used in self.usage.items():
+            buf.write(f"  {seg}: {', '.join(f'{b} ({a})' for b, a in sorted(used.items())) or 'no declared buffer'}\n")
+        for f in self.findings:
+            buf.write(f"  {f}\n")
+        return buf.getvalue()
+
+
+class AddressMap:
+    """Addresses to regions, most specific region first (see ``_PRIORITY``)."""
+
+    def __init__(self, regions: Iterable[Region]) -> None:
+        self.regions = sorted((r for r in regions if r.end > r.start), key=lambda r: (_PRIORITY[r.kind], r.start))
+
+    def lookup(self, address: int) -> tuple[Region, int] | None:
+        for r in self.regions:
+            if r.start <= address < r.end:
+                return r, address - r.start
+        return None
+
+
+def allocator_regions(device: torch.device, pool: Any) -> list[Region]:
+    """The caching allocator's segments on ``device``: those of ``pool`` (a graph pool id) as
+    one ``pool`` region each, every other block as ``live`` or ``freed``."""
+    regions = []
+    pool_id = tuple(pool) if pool is not None else None
+    for seg in torch.cuda.memory_snapshot():
+        if seg["device"] != device.index:
+            continue
+        start = int(seg["address"])
+        if pool_id is not None and tuple(seg.get("segment_pool_id") or ()) == pool_id:
+            regions.append(Region("graph pool", "pool", start, start + int(seg["total_size"])))
+            continue
+        at = start
+        for blk in seg["blocks"]:
+            addr = int(blk.get("address", at))
+            size = int(blk["size"])
+            kind = "live" if blk["state"].startswith("active") else "freed"
+            regions.append(Region(f"{kind} block of {size} B", kind, addr, addr + size))
+            at = addr + size
+    return regions
+
+
+def param_tensors(params: Any) -> dict[str, torch.Tensor]:
+    """Model tensors by name from an ``nn.Module`` (parameters and buffers), a mapping of name to
+    tensor, or an iterable of tensors."""
+    if params is None:
+        return {}
+    if isinstance(params, torch.nn.Module):
+        return {**dict(params.named_parameters()), **dict(params.named_buffers())}
+    if isinstance(params, Mapping):
+        return {str(k): v for k, v in params.items() if isinstance(v, torch.Tensor)}
+    return {f"param[{i}]": t for i, t in enumerate(params) if isinstance(t, torch.Tensor)}
+
+
+def _span(kind: str, name: str, t: torch.Tensor) -> Region | None:
+    if not t.numel():
+        return None
+    st = t.untyped_storage()
+    if t.is_contiguous():
+        return Region(name, kind, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+    return Region(name, kind, st.data_ptr(), st.data_ptr() + st.nbytes())
 
 
 def _role(segment: str) -> str:
     return "draft" if segment.startswith("draft") else "target"
 
 
-def audit_segments(runner: "GraphRunner", bucket: int) -> list[Finding]:
-    """The findings for ``bucket``'s emulated graph (see the module docstring)."""
-    graph, state = runner.graph(bucket), runner.state
-    if state is None or not isinstance(graph, EmulatedGraph):
-        return []  # the CUDA pointer audit is issue 6's; without a state there is nothing declared
-    plan = state.plan
-    by_storage: dict[int, str] = {}
-    for name in plan.buffers:
-        t = state.tensor(name)
-        if t.numel():
-            by_storage.setdefault(t.untyped_storage().data_ptr(), name)
-    refreshed = {n for n, d in plan.buffers.items() if d.refresh is not None}
-    refreshed |= set(plan.closure(refreshed))
-    reads: dict[str, dict[str, str]] = {"target": {}, "draft": {}}  # role -> buffer -> first op reading it
-    findings = []
-    ops = graph.recorded_ops()
+def _merge(old: str | None, new: str) -> str:
+    if old is None or old == new:
+        return new
+    return "touch" if "touch" in (old, new) else "read+write"
+
+
+def audit_graph(runner: "GraphRunner", bucket: int, params: Any = None) -> Audit:
+    """The pointer and segment audits of ``bucket``'s graph (see the module docstring)."""
+    graph = runner.graph(bucket)
+    nodes: Sequence[Node] = graph.nodes()
+    named = [r for kind, name, t in runner.known_tensors(bucket) if (r := _span(kind, name, t)) is not None]
+    named += [r for n, t in param_tensors(params).items() if (r := _span("param", n, t)) is not None]
+    amap = AddressMap(named + list(graph.memory_regions()))
+    findings: list[Finding] = []
+    classes: dict[str, int] = {}
+    seg_of = {}
     for seg in runner.segments(bucket):
-        role = _role(seg.name)
-        for func, args, kwargs in ops[seg.start:seg.end]:
-            name = func._schema.name
-            if name.startswith("graphctl::") or _is_view(func):
-                continue  # the switch's own machinery; views read nothing (their consumers do)
-            written = {i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and
-                       a.alias_info.is_write}
-            flat_args = [a for i, a in enumerate(args) if i not in written]
-            for t in tree_leaves((flat_args, {k: v for k, v in kwargs.items() if k != "out"})):
-                if not isinstance(t, torch.Tensor) or not t.numel():
-                    continue
-                buf = by_storage.get(t.untyped_storage().data_ptr())
-                if buf is None:
-                    continue
-                first = buf not in reads[role]
-                reads[role].setdefault(buf, name)
-                if first and role == "target" and buf in refreshed:
-                    findings.append(Finding("error", buf, seg.name, name,
-                                            "target-role op reads a buffer refreshed in place before replay"))
-    for n, d in plan.buffers.items():
-        if d.stable:
-            continue
-        for r in sorted({_role(x) for x in d.readers}):
-            if n not in reads[r]:
-                findings.append(Finding("warning", n, r, None, f"declared as read by {r} segments, none reads it"))
-    return findings
+        for i in range(seg.start, min(seg.end, len(nodes))):
+            seg_of[i] = seg.name
+    state = runner.state
+    refreshed: set[str] = set()
+    if state is not None:
+        plan = state.plan
+        refreshed = {n for n, d in plan.buffers.items() if d.refresh is not None}
+        refreshed |= set(plan.closure(refreshed))
+    usage: dict[str, dict[str, str]] = {s.name: {} for s in runner.segments(bucket)}
+    reported: set[tuple] = set()
+    for node in nodes:
+        seg = seg_of.get(node.index, "target")
+        for ref in node.refs:
+            hit = amap.lookup(ref.address)
+            kind = hit[0].kind if hit else "unknown"
+            if kind == "live" and node.library:
+                kind = "workspace"
+            classes[kind] = classes.get(kind, 0) + 1
+            if hit is None or node.graphctl:
+                continue
+            region, off = hit
+            key = (node.index, region.name)
+            if kind == "freed" and key not in reported:
+                reported.add(key)
+                findings.append(Finding("error", "dangling", region.name, seg, node.name,
+                                        f"{node.kind} uses {ref.address:#x} (+{off}) in memory freed since capture: "
+                                        "a temporary allocated outside the graph's pool", node.index, ref.where))
+            elif kind == "live" and key not in reported:
+                reported.add(key)
+                findings.append(Finding("warning", "unregistered", region.name, seg, node.name,
+                                        f"{node.kind} uses {ref.address:#x} (+{off}) in a live allocation nobody "
+                                        "registered (pass model tensors as params=)", node.index, ref.where))
+            elif kind == "buffer":
+                used = usage.setdefault(seg, {})
+                first = region.name not in used
+                used[region.name] = _merge(used.get(region.name), ref.access)
+                if first and _role(seg) == "target" and region.name in refreshed:
+                    findings.append(Finding("error", "refreshed-in-target", region.name, seg, node.name,
+                                            f"target-role {node.kind} touches a buffer refreshed in place before "
+                                            "replay", node.index, ref.where))
+    if state is not None:
+        for n, d in state.plan.buffers.items():
+            if d.stable or d.host or d.readers == DEFAULT_READERS:
+                continue  # nothing declared to check: scratch, host mirrors, or "any segment may read"
+            for r in sorted({_role(x) for x in d.readers}):
+                if not any(n in u for s, u in usage.items() if _role(s) == r):
+                    findings.append(Finding("warning", "unread-reader", n, r, None,
+                                            f"declared as read by {r} segments, none reads it"))
+    return Audit(bucket, tuple(findings), usage, classes, census(nodes))

@@ -24,7 +24,7 @@ import torch
 from graphctl.errors import CaptureError
 from graphctl.state.phase import capture_invalidated
 
-__all__ = ["CudaBackend", "CudaGraph", "node_count", "capturing_node_count", "refuse_nested_capture"]
+__all__ = ["CudaBackend", "CudaGraph", "graph_nodes", "node_count", "capturing_node_count", "refuse_nested_capture"]
 
 
 def _rt():
@@ -35,25 +35,72 @@ def _rt():
     return rt
 
 
-def node_count(raw_graph: int) -> int | None:
-    """Nodes in a ``cudaGraph_t`` (None without cuda-bindings)."""
+def graph_nodes(raw_graph: int) -> list[int] | None:
+    """The node handles of a ``cudaGraph_t``, as ints (None without cuda-bindings or on error)."""
     rt = _rt()
     if rt is None:
         return None
     err, _, n = rt.cudaGraphGetNodes(raw_graph, 0)
-    return int(n) if int(err) == 0 else None
+    if int(err) != 0:
+        return None
+    err, nodes, n = rt.cudaGraphGetNodes(raw_graph, n)
+    return [int(x) for x in nodes[:int(n)]] if int(err) == 0 else None
+
+
+def node_count(raw_graph: int) -> int | None:
+    """Nodes in a ``cudaGraph_t`` (None without cuda-bindings)."""
+    nodes = graph_nodes(raw_graph)
+    return None if nodes is None else len(nodes)
+
+
+def capturing_nodes(stream: torch.cuda.Stream) -> list[int] | None:
+    """The node handles recorded so far by the capture running on ``stream``."""
+    rt = _rt()
+    if rt is None:
+        return None
+    err, status, _id, graph, *_ = rt.cudaStreamGetCaptureInfo(stream.cuda_stream)
+    if int(err) != 0 or graph is None:
+        return None
+    return graph_nodes(int(graph))
 
 
 def capturing_node_count(stream: torch.cuda.Stream) -> int:
     """Nodes recorded so far by the capture running on ``stream`` (-1 when unknown)."""
-    rt = _rt()
-    if rt is None:
-        return -1
-    err, status, _id, graph, *_ = rt.cudaStreamGetCaptureInfo(stream.cuda_stream)
-    if int(err) != 0 or graph is None:
-        return -1
-    n = node_count(int(graph))
-    return -1 if n is None else n
+    nodes = capturing_nodes(stream)
+    return -1 if nodes is None else len(nodes)
+
+
+class _NodeOrder:
+    """Node handles in the order the capture added them: ``mark()`` (at every switch boundary)
+    appends the new ones, so a segment's nodes are a slice of ``order`` whatever order
+    ``cudaGraphGetNodes`` lists them in."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream, self.order, self._seen = stream, [], set()
+        self.exact = True
+
+    def _add(self, handles: list[int]) -> None:
+        for h in handles:
+            if h not in self._seen:
+                self._seen.add(h)
+                self.order.append(h)
+
+    def mark(self) -> int:
+        handles = capturing_nodes(self.stream)
+        if handles is None:
+            self.exact = False
+            return -1
+        self._add(handles)
+        return len(self.order)
+
+    def finish(self, raw_graph: int) -> list[int]:
+        final = graph_nodes(raw_graph)
+        if final is None:
+            return []
+        if not self._seen <= set(final):  # handles changed at capture end: keep the driver's order
+            self.exact, self.order, self._seen = False, [], set()
+        self._add(final)
+        return self.order
 
 
 def refuse_nested_capture(bucket: int | None = None) -> None:
@@ -67,11 +114,32 @@ def refuse_nested_capture(bucket: int | None = None) -> None:
 class CudaGraph:
     """One captured ``torch.cuda.CUDAGraph`` (template kept) and what was measured of it."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, pool_bytes: int) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, pool_bytes: int, order: list[int], pool: Any,
+                 device: torch.device) -> None:
         self._graph = graph
         self.pool_bytes = pool_bytes
-        n = node_count(graph.raw_cuda_graph())
-        self.node_count = -1 if n is None else n
+        self.order = order  # node handles in capture order (segments slice it)
+        self.node_count = len(order) if order else -1
+        self._pool, self._device = pool, device
+
+    def nodes(self):
+        """Every node, in capture order, with its kernel name and the addresses in its arguments."""
+        from graphctl.graphs.nodes import read_cuda_nodes
+
+        return read_cuda_nodes(self.order)
+
+    def memory_regions(self):
+        """The caching allocator's memory on this graph's device, classified: this graph's pool,
+        live blocks and freed blocks outside it (see :mod:`graphctl.graphs.audit`)."""
+        from graphctl.graphs.audit import allocator_regions
+
+        return allocator_regions(self._device, self._pool)
+
+    def dot(self, path: str) -> None:
+        """Write the graph as Graphviz DOT (``cudaGraphDebugDotPrint``, verbose)."""
+        from graphctl.graphs.nodes import dot_print
+
+        dot_print(self._graph.raw_cuda_graph(), path)
 
     def replay(self) -> None:
         self._graph.replay()
@@ -126,8 +194,9 @@ class CudaBackend:
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream):
             g.capture_begin(pool=pool)
+            tracker = _NodeOrder(self.stream)
             try:
-                out = body(lambda: capturing_node_count(self.stream))
+                out = body(tracker.mark)
             except BaseException as exc:
                 dead = capture_invalidated(self.device)
                 self._abandon(g, exc)
@@ -143,7 +212,9 @@ class CudaBackend:
         cur.wait_stream(self.stream)
         g.instantiate()
         self.synchronize()
-        return CudaGraph(g, max(0, torch.cuda.memory_reserved(self.device) - before)), out
+        order = tracker.finish(g.raw_cuda_graph())
+        pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
+        return CudaGraph(g, pool_bytes, order, pool, self.device), out
 
     @staticmethod
     def _invalidated(bucket: int, exc: BaseException) -> CaptureError:

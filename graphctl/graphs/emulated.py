@@ -21,8 +21,10 @@ graphctl's own ops are recorded as single ops.
 """
 from __future__ import annotations
 
+import gc
 import os
 import traceback
+import types
 from typing import Any, Callable
 
 import torch
@@ -30,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import CaptureError
+from graphctl.graphs.nodes import Node, Ref, Region
 from graphctl.state.phase import recording
 
 __all__ = ["EmulatedBackend", "EmulatedGraph"]
@@ -138,11 +141,93 @@ class EmulatedGraph:
                         t.copy_(flat[i])
 
     def recorded_ops(self) -> list[tuple]:
-        """``(op, args, kwargs)`` of every recorded op, in order (the segment audit reads them)."""
+        """``(op, args, kwargs)`` of every recorded op, in order."""
         return [(op.func, op.args, op.kwargs) for op in self._ops]
 
     def op_names(self) -> list[str]:
         return [op.func._schema.name for op in self._ops]
+
+    def nodes(self) -> list[Node]:
+        """One :class:`~graphctl.graphs.nodes.Node` per recorded op: its tensor arguments as
+        references, ``write`` where the schema marks the argument written (in-place, ``out=``),
+        ``read`` otherwise. View ops reference nothing (their consumers do)."""
+        nodes = []
+        for i, op in enumerate(self._ops):
+            schema, name = op.func._schema, op.func.name()
+            rets = schema.returns
+            if rets and all(r.alias_info is not None and not r.alias_info.is_write for r in rets):
+                nodes.append(Node(i, "op", name))
+                continue
+            written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+            refs = []
+            for a, v in zip(schema.arguments, op.args):
+                refs += _tensor_refs(v, "write" if a.name in written else "read", f"arg {a.name}")
+            for k, v in op.kwargs.items():
+                refs += _tensor_refs(v, "write" if k in written else "read", f"arg {k}")
+            for j, t in op.fresh:
+                refs += _tensor_refs(t, "write", f"result {j}")
+            nodes.append(Node(i, "op", name, refs=tuple(refs)))
+        return nodes
+
+    def memory_regions(self) -> list[Region]:
+        """The emulated counterpart of the allocator's map: storages the ops created are the
+        graph's pool; an outside storage that only the recorded ops still hold (no tensor of it,
+        nor the base of one, is referenced anywhere else) is ``freed``: a CUDA graph would use
+        its memory after the caller dropped it, the dangling temporary. Other outside storages
+        are ``live``."""
+        pool: dict[int, int] = {}
+        for op in self._ops:
+            for _, t in op.fresh:
+                st = t.untyped_storage()
+                pool[st.data_ptr()] = st.nbytes()
+        containers: set[int] = set()
+        by_storage: dict[int, dict[int, torch.Tensor]] = {}
+        for op in self._ops:
+            for v in _leaves((op.args, op.kwargs), containers):
+                if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in pool:
+                    group = by_storage.setdefault(v.untyped_storage().data_ptr(), {})
+                    group[id(v)] = v
+                    if v._base is not None:
+                        group[id(v._base)] = v._base
+        held = _held_outside(by_storage, containers)
+        regions = [Region("graph pool", "pool", p, p + n) for p, n in pool.items()]
+        for ptr, group in by_storage.items():
+            kind = "live" if held & group.keys() else "freed"
+            t = next(iter(group.values()))
+            regions.append(Region(f"{kind} tensor {tuple(t.shape)} {t.dtype}", kind, ptr,
+                                  ptr + t.untyped_storage().nbytes()))
+        return regions
+
+
+def _held_outside(by_storage: dict[int, dict[int, torch.Tensor]], containers: set[int]) -> set[int]:
+    """ids of the tensors some Python object outside the recorded ops refers to (one scan of
+    the garbage collector's objects; references from C++, such as a view's base, do not count,
+    nor do graphctl's own frames)."""
+    objs = [t for group in by_storage.values() for t in group.values()]
+    ids = {id(t) for t in objs}
+    mine = containers | {id(objs), id(by_storage)} | {id(g) for g in by_storage.values()}
+    held: set[int] = set()
+    for r in gc.get_referrers(*objs):
+        if id(r) in mine or (isinstance(r, types.FrameType) and r.f_code.co_filename.startswith(_GRAPHCTL_DIR)):
+            continue
+        held.update(id(x) for x in gc.get_referents(r) if id(x) in ids)
+    return held
+
+
+def _tensor_refs(v: Any, access: str, where: str) -> list[Ref]:
+    if isinstance(v, torch.Tensor):
+        return [Ref(v.data_ptr(), access, where, v.numel() * v.element_size())] if v.numel() else []
+    if isinstance(v, (list, tuple)):
+        return [r for x in v for r in _tensor_refs(x, access, where)]
+    return []
+
+
+def _leaves(v: Any, containers: set[int]) -> list[Any]:
+    """The leaves of nested lists, tuples and dicts; every container's id goes into ``containers``."""
+    if isinstance(v, (list, tuple, dict)):
+        containers.add(id(v))
+        return [x for e in (v.values() if isinstance(v, dict) else v) for x in _leaves(e, containers)]
+    return [v]
 
 
 class EmulatedBackend:

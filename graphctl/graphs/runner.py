@@ -44,9 +44,8 @@ from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs.backends import select_backend
 from graphctl.graphs.cuda import refuse_nested_capture
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, InputSlot, StaticInput
-from graphctl.graphs.report import BucketReport, Report, Segment
-from graphctl.graphs.audit import audit_segments
-from graphctl.graphs.verify import verify as _verify
+from graphctl.graphs.report import Segment
+from graphctl.graphs.inspection import Inspection
 from graphctl.state import BoundState, bind
 
 __all__ = ["GraphRunner"]
@@ -128,7 +127,7 @@ def _gc_frozen() -> Iterator[None]:
             gc.enable()
 
 
-class GraphRunner:
+class GraphRunner(Inspection):
     """Captured graphs of ``fn``, one per bucket. Build it with :func:`graphctl.graphed`.
 
     Arguments: ``buckets`` (batch sizes to capture), ``state`` (a :class:`BoundState`, an
@@ -139,15 +138,19 @@ class GraphRunner:
     ``"eager"``: it runs ``fn`` eagerly and logs why), ``pad_axes`` (state axis -> rows per
     batch item for ``state.pad``; default ``{"seq": 1, "token": <first input's per_item>}``),
     ``warmup_iters`` (eager runs per bucket before capture), ``progress`` (a progress bar;
-    ``None``: when stderr is a terminal). See the module docstring for the constraints."""
+    ``None``: when stderr is a terminal), ``params`` (the model tensors the forward reads, for
+    the audit: an ``nn.Module``, a name -> tensor mapping or an iterable). See the module
+    docstring for the constraints."""
 
     def __init__(self, fn: Callable[..., Any], *, buckets: Sequence[int] = DEFAULT_BUCKETS, state: Any = None,
                  inputs: Sequence[str | StaticInput] | None = None, backend: str = "auto", fallback: str = "error",
-                 pad_axes: Mapping[str, int] | None = None, warmup_iters: int = 2, progress: bool | None = None) -> None:
+                 pad_axes: Mapping[str, int] | None = None, warmup_iters: int = 2, progress: bool | None = None,
+                 params: Any = None) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self._options = dict(buckets=buckets, state=state, inputs=inputs, backend=backend, fallback=fallback,
-                             pad_axes=pad_axes, warmup_iters=warmup_iters, progress=progress)
+                             pad_axes=pad_axes, warmup_iters=warmup_iters, progress=progress,
+                             params=params)
         self.buckets = Buckets(buckets)
         # state="attr" names the instance's metadata when a method is decorated (see __get__)
         self._state_attr = state if isinstance(state, str) else None
@@ -162,6 +165,7 @@ class GraphRunner:
         self.backend_name = backend
         self.warmup_iters = int(warmup_iters)
         self.progress = progress
+        self.params = params  # model tensors for the audit's classification (see audit())
         self._sig = inspect.signature(fn)
         self._params = list(self._sig.parameters)
         self._pos = {p: i for i, p in enumerate(self._params)}
@@ -455,63 +459,6 @@ class GraphRunner:
                                       "it, or reset() and capture again")
         cap.checked = True
 
-    # ------------------------------------------------------------------------- measure
-
-    def measure(self, iters: int = 20) -> "GraphRunner":
-        """Median time of the whole graphed call and of the eager forward, per bucket, on the
-        example's first ``min(n, bucket)`` items (mutable buffers restored afterwards)."""
-        if self._example is None:
-            raise CaptureError("nothing captured yet", expected="capture_all() or a call first", found="no graphs",
-                               fix="call capture_all(*example) before measure()")
-        arguments = self._arguments(*self._example)
-        n = self._batch((), arguments)[0]
-        for b, cap in sorted(self._graphs.items()):
-            args, kwargs = self._assemble({**arguments, **self._head(arguments, min(n, b))})
-            with self._guard:
-                cap.replay_us = _median_us(self._backend, lambda: self(*args, **kwargs), iters)
-                cap.eager_us = _median_us(self._backend, lambda: self.fn(*args, **kwargs), iters)
-        return self
-
-    def verify(self, **options: Any) -> tuple:
-        """Eager against replay per bucket, on fresh random inputs with outputs and padding
-        poisoned first; see :func:`graphctl.graphs.verify.verify` (``gen``, ``rtol``, ``atol``)."""
-        return _verify(self, **options)
-
-    def audit(self) -> dict[int, list]:
-        """Per bucket, the segment audit's findings (emulated graphs; see ``graphs/audit.py``)."""
-        return {b: audit_segments(self, b) for b in self.captured}
-
-    def report(self) -> Report:
-        """Per bucket: capture ms, pool bytes, nodes, segments, replay/eager µs (see ``report`` module)."""
-        be = self._backend
-        rows = tuple(BucketReport(b, c.capture_ms, c.graph.pool_bytes, c.graph.node_count, c.replay_us, c.eager_us,
-                                  c.replays, c.segments) for b, c in sorted(self._graphs.items()))
-        device = str(be.device) if be is not None else "-"
-        if be is not None and be.device.type == "cuda":
-            device = f"{device} ({torch.cuda.get_device_name(be.device)})"
-        return Report(getattr(self.fn, "__qualname__", repr(self.fn)), be.name if be is not None else "-", device,
-                      torch.__version__, rows, dict(self._fallbacks))
-
-    @property
-    def captured(self) -> tuple[int, ...]:
-        return tuple(sorted(self._graphs))
-
-    def static_input(self, name: str) -> torch.Tensor:
-        """The static buffer behind input ``name`` (tests poison its padding with it)."""
-        return next(slot.static for slot in self._slots if slot.spec.name == name)
-
-    def graph(self, bucket: int) -> Any:
-        """The backend graph of ``bucket`` (``.replay()``, ``.node_count``, ``.pool_bytes``)."""
-        return self._graphs[bucket].graph
-
-    def outputs(self, bucket: int) -> list[torch.Tensor]:
-        """The static output tensors of ``bucket``'s graph (tests poison them before replay)."""
-        return [t for t in self._graphs[bucket].out_flat if isinstance(t, torch.Tensor)]
-
-    def segments(self, bucket: int) -> tuple[Segment, ...]:
-        return self._graphs[bucket].segments
-
-
 def _same_frozen(live: Any, want: Any) -> bool:
     """Would the graph captured with ``want`` compute what a call with ``live`` asks for? The same
     tensor storage and view, equal scalars, containers of those, or the very same object."""
@@ -556,23 +503,3 @@ def _segments(marks: list[tuple[str, int]], total: int) -> tuple[Segment, ...]:
     if total > cursor or not segs:
         segs.append(Segment("target" if not marks else "post", cursor, max(total, cursor)))
     return tuple(segs)
-
-
-def _median_us(be: Any, fn: Callable[[], Any], iters: int) -> float:
-    fn()  # settle caches and lazy work
-    samples = []
-    if be.device.type == "cuda":
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            samples.append(a.elapsed_time(b) * 1e3)
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e6)
-    samples.sort()
-    return samples[len(samples) // 2]

@@ -82,6 +82,19 @@ class MTPEngine:
         C = blocks * cfg.block_size
         self._j = torch.arange(C, device=dev)
 
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The model's weights and both KV caches by name: what the audit classifies as
+        ``param`` (``runner.audit(params=engine.named_tensors())``)."""
+        out = {"emb": self.emb, "lm_head": self.lm_head, "positions_j": self._j}
+        for role, layers in (("target", self.target_layers), ("draft", self.draft_layers)):
+            for i, L in enumerate(layers):
+                out.update({f"{role}.{i}.{w}": t for w, t in vars(L).items() if isinstance(t, torch.Tensor)})
+        for mgr in (self.meta.kv_cache_manager, self.meta.draft_kv_cache_manager):
+            out.update({f"{mgr.name}.k[{i}]": t for i, t in enumerate(mgr.k)})
+            out.update({f"{mgr.name}.v[{i}]": t for i, t in enumerate(mgr.v)})
+            out[f"{mgr.name}.block_ids"] = mgr.block_ids
+        return out
+
     # ----------------------------------------------------------------------- the model
 
     def _forward(self, tokens: torch.Tensor, layers: Sequence[_Layer]) -> torch.Tensor:

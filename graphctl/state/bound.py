@@ -290,6 +290,10 @@ class BoundState:
     def snapshot_bytes(self, phase: str) -> int:
         return sum(self._tensors[n].numel() * self._tensors[n].element_size() for n in self.snapshot_names(phase))
 
+    def arenas(self) -> dict[str, torch.Tensor]:
+        """graphctl's snapshot slots, ``"family:name"``: memory a captured switch reads and writes."""
+        return {f"{fam}:{n}": t for (fam, n), t in self._arena.items()}
+
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor bound to entry ``name`` at bind time (twins are entries too)."""
         return self._tensors[name]
