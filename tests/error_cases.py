@@ -342,6 +342,8 @@ CASES: list[Case] = [
     Case("replay-frozen", ReplayError, "replay", "another object for a frozen (non-input) argument",
          lambda: (lambda r, m, x: r(x, _mini()[0]))(*_runner())),
     Case("replay-moved", ReplayError, "replay", "a static buffer rebound after capture (manifest check)", _moved),
+    Case("dot-emulated", ReplayError, "inspect", "DOT export of an emulated graph",
+         lambda: (lambda r, m, x: r.dot(2, "/tmp/graphctl-never.dot"))(*_runner())),
 ]
 
 

@@ -13,8 +13,10 @@ caching allocator's blocks outside the pool.
   outside the capture that only the graph still holds). The graph reads or writes memory the
   allocator may hand to anyone: the temporary allocated outside the pool (TensorRT-LLM #16290).
 - **warning** ``unregistered``: an address in a live allocator block that nobody registered.
-  Often a model weight not passed as ``params=``; in a library launch (arguments passed through
-  ``extra``, like cuBLAS) it is the library's workspace and is counted, not reported.
+  Often a model weight not passed as ``params=``. Blocks that the runner's eager warmup
+  allocated and kept (cuBLAS workspaces, other lazily created library state) and live memory
+  in a library launch (arguments passed through ``extra``) are ``workspace``: counted, not
+  reported.
 - Addresses in no known memory (sizes that look like pointers, TMA descriptor fields, memory
   from ``cudaMalloc`` outside torch) are counted as ``unknown``.
 
@@ -49,8 +51,9 @@ if TYPE_CHECKING:
 __all__ = ["Finding", "Audit", "AddressMap", "audit_graph", "allocator_regions", "param_tensors"]
 
 # Lookup order: the most specific name wins where regions overlap (an output lives in the pool).
+# A freed block outranks a warmup allocation (the allocator's word on liveness is the latest).
 _PRIORITY = {"buffer": 0, "arena": 0, "input": 0, "output": 1, "argument": 1, "param": 1, "pool": 2,
-             "freed": 3, "live": 4}
+             "freed": 3, "workspace": 4, "live": 5}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -119,14 +122,18 @@ class AddressMap:
 
 def allocator_regions(device: torch.device, pool: Any) -> list[Region]:
     """The caching allocator's segments on ``device``: those of ``pool`` (a graph pool id) as
-    one ``pool`` region each, every other block as ``live`` or ``freed``."""
+    one ``pool`` region each, every other block as ``live`` or ``freed``. Where the snapshot
+    does not know ``pool``'s id, every private pool's segments count as pool."""
     regions = []
+    segments = [s for s in torch.cuda.memory_snapshot() if s["device"] == device.index]
     pool_id = tuple(pool) if pool is not None else None
-    for seg in torch.cuda.memory_snapshot():
-        if seg["device"] != device.index:
-            continue
+    ids = {tuple(s.get("segment_pool_id") or (0, 0)) for s in segments}
+    if pool_id not in ids:  # the snapshot names pools differently: every private pool is a graph's
+        pool_id = None
+    for seg in segments:
         start = int(seg["address"])
-        if pool_id is not None and tuple(seg.get("segment_pool_id") or ()) == pool_id:
+        sid = tuple(seg.get("segment_pool_id") or (0, 0))
+        if sid == pool_id or (pool_id is None and sid != (0, 0)):
             regions.append(Region("graph pool", "pool", start, start + int(seg["total_size"])))
             continue
         at = start
@@ -176,7 +183,7 @@ def audit_graph(runner: "GraphRunner", bucket: int, params: Any = None) -> Audit
     nodes: Sequence[Node] = graph.nodes()
     named = [r for kind, name, t in runner.known_tensors(bucket) if (r := _span(kind, name, t)) is not None]
     named += [r for n, t in param_tensors(params).items() if (r := _span("param", n, t)) is not None]
-    amap = AddressMap(named + list(graph.memory_regions()))
+    amap = AddressMap(named + list(runner.workspaces) + list(graph.memory_regions()))
     findings: list[Finding] = []
     classes: dict[str, int] = {}
     seg_of = {}

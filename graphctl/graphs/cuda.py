@@ -169,6 +169,20 @@ class CudaBackend:
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def live_blocks(self) -> set[tuple[int, int]]:
+        """``(address, size)`` of the allocator's live blocks outside graph pools on this device."""
+        out = set()
+        for seg in torch.cuda.memory_snapshot():
+            if seg["device"] != self.device.index or tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0):
+                continue
+            at = int(seg["address"])
+            for blk in seg["blocks"]:
+                addr = int(blk.get("address", at))
+                if blk["state"].startswith("active"):
+                    out.add((addr, int(blk["size"])))
+                at = addr + int(blk["size"])
+        return out
+
     def warmup(self, body: Callable[[], Any]) -> Any:
         # Warm up on the capture stream: allocator blocks and library handles warmed here are the
         # ones the capture will see.

@@ -43,6 +43,7 @@ from graphctl.debug import knobs
 from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs.backends import select_backend
 from graphctl.graphs.cuda import refuse_nested_capture
+from graphctl.graphs.nodes import Region
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, InputSlot, StaticInput
 from graphctl.graphs.report import Segment
 from graphctl.graphs.inspection import Inspection
@@ -187,6 +188,7 @@ class GraphRunner(Inspection):
         self._refreshes = False
         self._guard: _Guard | None = None
         self._example: tuple[tuple, dict] | None = None
+        self.workspaces: tuple[Region, ...] = ()
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         """A decorated method gets one runner per instance (its own graphs, inputs and state)."""
@@ -325,6 +327,8 @@ class GraphRunner(Inspection):
         # padding), and the caller gets it back as it was.
         with _Guard(self.state, BoundState.restorable_names) as given, _gc_frozen(), self._progress() as bar:
             task = bar.add_task("warmup", total=2 * len(order)) if bar else None
+            be.synchronize()
+            before = be.live_blocks()
             for b in order:  # pass 1: every workspace reaches its high-water mark before any capture
                 given.restore()
                 self._load_example(arguments, n, b)
@@ -335,6 +339,9 @@ class GraphRunner(Inspection):
                 if bar:
                     bar.update(task, advance=1, description=f"warmup bucket {b}")
             be.synchronize()
+            # what warmup allocated and kept is library state (cuBLAS workspaces): the audit's "workspace"
+            self.workspaces = tuple(Region(f"warmup allocation of {n} B", "workspace", a, a + n)
+                                    for a, n in sorted(be.live_blocks() - before))
             pool = be.new_pool()
             t_start = time.perf_counter()
             for b in order:  # pass 2: largest first, so smaller graphs reuse its pool blocks
@@ -393,6 +400,7 @@ class GraphRunner(Inspection):
         self._slots, self._in_pos = (), ()
         self._inputs = self._declared
         self._example = None
+        self.workspaces = ()
 
     # --------------------------------------------------------------------------- replay
 
