@@ -1,5 +1,6 @@
 # Two entry points for a fresh machine (see README.md):
-#   make demo   - create .venv, build graphctl (with CUDA kernels when possible), run the main job
+#   make demo   - create .venv, build graphctl (with CUDA kernels when possible), run the main job:
+#                 graphctl capture --verify --audit on the built-in reference engine
 #   make test   - create .venv, build graphctl, run the test suite
 # Everything is installed from this repository's own files into .venv.
 
@@ -13,7 +14,7 @@ NVCC   := $(shell command -v nvcc 2>/dev/null)
 export CUDA_HOME ?= $(if $(NVCC),$(or $(wildcard /usr/local/cuda),$(patsubst %/bin/nvcc,%,$(realpath $(NVCC)))),)
 export MAX_JOBS ?= 2
 
-.PHONY: demo test test-cuda build venv info clean
+.PHONY: demo example test test-cuda build venv info clean
 
 $(VENV)/.deps: pyproject.toml requirements/venv.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +34,9 @@ info: build
 	$(VENV)/bin/graphctl info
 
 demo: build
+	$(VENV)/bin/graphctl capture --verify --audit
+
+example: build
 	$(PY) examples/draft_switch.py
 
 # pytest exits 5 when it collected nothing; that must not pass silently, so say so and fail.

@@ -5,7 +5,7 @@ The public surface is exactly ``__all__``; everything else is internal."""
 from graphctl import debug, ops
 from graphctl.errors import (BindError, CaptureError, CorruptedStateError, DeclarationError, GraphctlError,
                              NestedSwitchError, ReplayError, StaleBufferError, SwitchError)
-from graphctl.graphs import GraphRunner, Report, StaticInput, graphed
+from graphctl.graphs import CaptureTarget, GraphRunner, Report, StaticInput, graphed
 from graphctl.state import BoundState, CopyInPlace, Pad, Recompute, Registry, Stable, StateSpec, Swap, bind, register
 
 __version__ = "0.1.0"
@@ -15,6 +15,6 @@ __all__ = [
     "Swap", "CopyInPlace", "Recompute", "Stable", "Pad",
     "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError",
     "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
-    "graphed", "GraphRunner", "StaticInput", "Report",
+    "graphed", "GraphRunner", "StaticInput", "Report", "CaptureTarget",
     "debug", "ops", "__version__",
 ]

@@ -9,10 +9,11 @@ import torch
 
 import graphctl
 from graphctl.debug import knobs
+from graphctl.graphs.features import detect
 from graphctl.ops import extension_status
 
 
-def _gpus() -> list[dict[str, Any]] | str:
+def gpus() -> list[dict[str, Any]] | str:
     try:
         import pynvml
     except ImportError as exc:
@@ -32,6 +33,8 @@ def _gpus() -> list[dict[str, Any]] | str:
                 "compute_capability": ".".join(map(str, pynvml.nvmlDeviceGetCudaComputeCapability(h))),
                 "memory_gib": round(mem.total / 2**30, 1),
                 "sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "sm_clock_now_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "mem_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM),
                 "driver": pynvml.nvmlSystemGetDriverVersion(),
             })
         return out
@@ -49,8 +52,9 @@ def collect() -> dict[str, Any]:
                     "cuda_available": torch.cuda.is_available()},
         "build": build or None,
         "extension": {"loaded": st.loaded, "with_cuda": st.with_cuda, "error": st.error},
+        "features": detect(),
         "knobs": knobs.as_dict(),
-        "gpus": _gpus(),
+        "gpus": gpus(),
     }
 
 
@@ -71,6 +75,10 @@ def run_info(as_json: bool = False) -> int:
     t.add_row("python", str(b.get("python", "-")), data["python"])
     t.add_row("torch", str(b.get("torch", "-")), r["torch"])
     t.add_row("torch CUDA", str(b.get("torch_cuda", "-")), str(r["torch_cuda"]))
+    feats = data["features"]
+    t.add_row("CUDA driver", "-", str(feats.get("driver_cuda") or "no driver"))
+    t.add_row("cuda-bindings", "-", str(feats.get("cuda_bindings") or "not installed"))
+    t.add_row("bindings runtime", "-", str(feats.get("bindings_runtime") or "-"))
     t.add_row("nvcc", str(b.get("nvcc", "-")), "-")
     t.add_row("CUDA kernels", str(b.get("with_cuda", "-")), str(data["extension"]["with_cuda"]))
     t.add_row("arch list", str(b.get("arch_list", "-")), "-")
@@ -88,5 +96,7 @@ def run_info(as_json: bool = False) -> int:
             g.add_row(*(str(row[c]) for c in ("index", "name", "compute_capability", "memory_gib", "sm_clock_mhz",
                                                "driver")))
         con.print(g)
+    con.print("features: " + ", ".join(f"{k}={v}" for k, v in feats.items()
+                                       if k not in ("cuda_bindings", "bindings_runtime", "driver_cuda")))
     con.print("knobs: " + ", ".join(f"{k}={v}" for k, v in data["knobs"].items()))
     return 0

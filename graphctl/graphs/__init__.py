@@ -7,7 +7,8 @@ from graphctl.graphs.decorator import graphed
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
 from graphctl.graphs.report import SCHEMA, BucketReport, Report, Segment
 from graphctl.graphs.runner import GraphRunner
+from graphctl.graphs.target import CaptureTarget, load_target
 from graphctl.graphs.verify import Mismatch, VerifyResult
 
-__all__ = ["Audit", "Finding", "audit_graph", "Node", "Ref", "Region", "BACKENDS", "DEFAULT_BUCKETS", "SCHEMA", "BucketReport", "Buckets", "GraphRunner", "Report", "Segment",
+__all__ = ["CaptureTarget", "load_target", "Audit", "Finding", "audit_graph", "Node", "Ref", "Region", "BACKENDS", "DEFAULT_BUCKETS", "SCHEMA", "BucketReport", "Buckets", "GraphRunner", "Report", "Segment",
            "StaticInput", "Mismatch", "VerifyResult", "graphed", "select_backend", "unsupported_reasons"]

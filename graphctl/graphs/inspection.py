@@ -47,6 +47,32 @@ class Inspection:
                 cap.eager_us = _median_us(self._backend, lambda: self.fn(*args, **kwargs), iters)
         return self
 
+    def coverage(self: "GraphRunner", sizes: Any = None) -> dict[int, str]:
+        """For each batch size ``n`` (default 1 .. the largest bucket, capped at the example's
+        items), call the runner on the example's first ``n`` items and say what served it:
+        ``"bucket B"``, ``"eager: <reason>"`` (a fallback) or ``"error: <message>"``."""
+        if self._example is None:
+            raise CaptureError("nothing captured yet", expected="capture_all() or a call first", found="no graphs",
+                               fix="call capture_all(*example) before coverage()")
+        arguments = self._arguments(*self._example)
+        items = self._batch((), arguments)[0]
+        sizes = range(1, min(items, self.buckets.largest) + 1) if sizes is None else sizes
+        out: dict[int, str] = {}
+        for n in sizes:
+            if n > items:
+                continue  # the example cannot make a batch this large
+            args, kwargs = self._assemble({**arguments, **self._head(arguments, n)})
+            before = dict(self._fallbacks)
+            try:
+                with self._guard:
+                    self(*args, **kwargs)
+            except ReplayError as exc:
+                out[n] = f"error: {str(exc).splitlines()[0]}"
+                continue
+            new = [r for r, c in self._fallbacks.items() if c > before.get(r, 0)]
+            out[n] = f"eager: {new[0]}" if new else f"bucket {self.buckets.pick(n)}"
+        return out
+
     def verify(self, **options: Any) -> tuple:
         """Eager against replay per bucket, on fresh random inputs with outputs and padding
         poisoned first; see :func:`graphctl.graphs.verify.verify` (``gen``, ``rtol``, ``atol``)."""

@@ -438,9 +438,10 @@ class GraphRunner(Inspection):
     def _unservable(self, args: tuple, kwargs: dict, err: ReplayError) -> Any:
         if self.fallback == "error":
             raise err
-        reason = str(err)
+        # counted by kind (err.what: "batch size outside the captured buckets"), logged in full
+        reason = f"[{err.buffer}] {err.what}" if err.buffer else err.what
         self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
-        log.warning("graphctl: %s runs eagerly: %s", getattr(self.fn, "__qualname__", self.fn), reason)
+        log.warning("graphctl: %s runs eagerly: %s", getattr(self.fn, "__qualname__", self.fn), err)
         return self.fn(*args, **kwargs)
 
     def _check_frozen(self, args: tuple, kwargs: dict) -> ReplayError | None:

@@ -1,0 +1,242 @@
+"""``graphctl capture [TARGET]``: capture a forward at every bucket and say, at a glance, what
+each graph costs, whether it equals eager, and whether its addresses and segments are sound.
+
+Exit codes: 0 clean; 1 a verify mismatch or an audit error; 3 a batch size that no graph
+served under ``--hard-fail-on-fallback``; 2 bad options or a TARGET that cannot be loaded
+(argparse's own code for usage errors).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import sys
+from typing import Any
+
+import torch
+
+import graphctl
+from graphctl.errors import GraphctlError
+
+__all__ = ["run_capture", "derive_buckets", "coverage_rows", "SCHEMA"]
+
+SCHEMA = "graphctl.capture/1"
+BUILTIN = "graphctl.models.mtp:capture_target"
+
+
+def derive_buckets(max_batch: int) -> list[int]:
+    """Powers of two up to ``max_batch``, and ``max_batch`` itself: batch items (requests); the
+    token rows of each bucket are ``bucket * (1 + k)``, so every bucket is a whole number of
+    draft-step layouts."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def coverage_rows(served: dict[int, str], per_item: int) -> list[dict[str, Any]]:
+    """Consecutive batch sizes served alike, as ``{"batch": "3-4", "served_by": ..., "tokens":
+    ..., "padding": worst fraction of padded rows}`` rows."""
+    rows: list[dict[str, Any]] = []
+    for n in sorted(served):
+        how = served[n]
+        if rows and rows[-1]["served_by"] == how and rows[-1]["hi"] == n - 1:
+            rows[-1]["hi"] = n
+            continue
+        rows.append({"lo": n, "hi": n, "served_by": how})
+    for r in rows:
+        r["batch"] = str(r["lo"]) if r["lo"] == r["hi"] else f"{r['lo']}-{r['hi']}"
+        bucket = int(r["served_by"].split()[1]) if r["served_by"].startswith("bucket ") else None
+        r["tokens"] = bucket * per_item if bucket else None
+        r["padding"] = 1 - r["lo"] / bucket if bucket else None
+    return rows
+
+
+def _device_header(backend: str) -> dict[str, Any]:
+    from graphctl.cli.info import gpus
+
+    head: dict[str, Any] = {"graphctl": graphctl.__version__, "python": platform.python_version(),
+                            "torch": torch.__version__, "torch_cuda": torch.version.cuda, "backend": backend}
+    g = gpus()
+    if torch.cuda.is_available() and isinstance(g, list) and g:
+        idx = torch.cuda.current_device()
+        head["device"] = g[idx] if idx < len(g) else g[0]
+    else:
+        head["device"] = {"name": "no CUDA device: emulated graphs on the CPU",
+                          "detail": g if isinstance(g, str) else "torch.cuda.is_available() is False"}
+    return head
+
+
+def _header_text(head: dict[str, Any]) -> str:
+    d = head["device"]
+    if "compute_capability" in d:
+        dev = (f"{d['name']} (sm {d['compute_capability']}, {d['memory_gib']} GiB, SM clock {d.get('sm_clock_now_mhz')}"
+               f"/{d['sm_clock_mhz']} MHz, driver {d['driver']})")
+    else:
+        dev = f"{d['name']} ({d['detail']})"
+    return (f"device: {dev}\ntorch {head['torch']} (CUDA {head['torch_cuda']}), python {head['python']}, "
+            f"graphctl {head['graphctl']}, backend {head['backend']}")
+
+
+def _table(report, verify: dict[int, list], audits: dict[int, Any], per_item: int):
+    from rich.table import Table
+
+    t = Table(title=f"{report.function}: {report.backend} graphs")
+    for col in ("bucket", "tokens", "capture ms", "pool MiB", "nodes", "replay us", "eager us", "speedup", "verify",
+                "audit"):
+        t.add_column(col, justify="right")
+    for b in report.buckets:
+        speed = f"{b.eager_us / b.replay_us:.2f}x" if b.replay_us and b.eager_us else "-"
+        vs = verify.get(b.bucket)
+        v = "-" if vs is None else ("ok" if all(r.ok for r in vs) else "[red]MISMATCH")
+        a = audits.get(b.bucket)
+        au = "-" if a is None else (f"[red]{len(a.errors)} err[/] {len(a.warnings)} warn" if a.errors else
+                                    f"clean" if not a.warnings else f"{len(a.warnings)} warn")
+        t.add_row(str(b.bucket), str(b.bucket * per_item), f"{b.capture_ms:.1f}", f"{b.pool_bytes / 2**20:.2f}",
+                  str(b.nodes), _num(b.replay_us), _num(b.eager_us), speed, v, au)
+    return t
+
+
+def _coverage_table(rows: list[dict[str, Any]]):
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title="coverage: which batch sizes each bucket serves")
+    for col in ("batch", "served by", "tokens", "worst padding"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        pad = "-" if r["padding"] is None else f"{100 * r['padding']:.0f}%"
+        how = r["served_by"] if r["served_by"].startswith("bucket") else f"[red]{escape(r['served_by'])}"
+        t.add_row(r["batch"], how, "-" if r["tokens"] is None else str(r["tokens"]), pad)
+    return t
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _dot_of_nodes(nodes, segments) -> str:
+    """A DOT chain of an emulated graph's ops, one cluster per segment (CUDA graphs use
+    ``cudaGraphDebugDotPrint`` instead)."""
+    lines = ["digraph graphctl {", "  rankdir=TB; node [shape=box, fontsize=10];"]
+    for s in segments:
+        lines.append(f'  subgraph "cluster_{s.name}" {{ label="{s.name}";')
+        lines += [f'    n{i} [label="{i}: {nodes[i].name}"];' for i in range(s.start, min(s.end, len(nodes)))]
+        lines.append("  }")
+    lines += [f"  n{i} -> n{i + 1};" for i in range(len(nodes) - 1)]
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+def _plot(path: str, report) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bs = [b.bucket for b in report.buckets]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(bs, [b.replay_us or float("nan") for b in report.buckets], "o-", label="graph replay")
+    ax1.plot(bs, [b.eager_us or float("nan") for b in report.buckets], "s--", label="eager")
+    ax1.set(xscale="log", yscale="log", xlabel="bucket (batch items)", ylabel="median latency (us)",
+            title="latency per bucket")
+    ax1.set_xticks(bs, [str(b) for b in bs])
+    ax1.legend()
+    ax2.bar([str(b) for b in bs], [b.pool_bytes / 2**20 for b in report.buckets])
+    ax2.set(xlabel="bucket (batch items)", ylabel="MiB", title="pool memory added by each capture")
+    fig.suptitle(f"{report.function} ({report.backend}, {report.device})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_capture(args) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    con = Console(width=max(100, Console().width), soft_wrap=True)  # findings stay on one line: grep-able
+    backend = args.backend
+    if backend == "cuda" and not torch.cuda.is_available():
+        con.print("[red]graphctl capture: --backend cuda needs a CUDA device; use --backend emulated or auto")
+        return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            con.print(f"[red]graphctl capture: --plot needs matplotlib ({exc}); pip install matplotlib, or drop --plot")
+            return 2
+    use_cuda = backend == "cuda" or (backend == "auto" and torch.cuda.is_available())
+    device = "cuda" if use_cuda else "cpu"
+    # The factory's example holds max_batch items: every batch size up to it must be served.
+    max_batch = args.max_batch or (max(args.buckets) if args.buckets else 64)
+    buckets = args.buckets or derive_buckets(max_batch)
+    try:
+        target = graphctl.graphs.load_target(args.target or BUILTIN, device=device, max_batch=max_batch,
+                                             draft_len=args.draft_len)
+    except GraphctlError as exc:
+        con.print(f"[red]graphctl capture: {escape(str(exc))}")
+        return 2
+    head = _device_header("cuda" if use_cuda else "emulated")
+    con.print(_header_text(head))
+    con.print(escape(f"target: {target.name or args.target or BUILTIN}; buckets {buckets}"))
+    runner = graphctl.GraphRunner(target.forward, buckets=buckets, state=target.state, inputs=target.inputs,
+                                  backend="cuda" if use_cuda else "emulated", fallback="eager", params=target.params,
+                                  progress=args.progress)
+    runner.capture_all(*target.example)
+    runner.measure(iters=args.iters)
+    verify: dict[int, list] = {}
+    if args.verify:
+        for r in runner.verify(gen=torch.Generator().manual_seed(args.seed)):
+            verify.setdefault(r.bucket, []).append(r)
+    audits = runner.audit() if args.audit else {}
+    served = runner.coverage(range(1, max_batch + 1))
+    rows = coverage_rows(served, target.per_item)
+    report = runner.report()
+    con.print(_table(report, verify, audits, target.per_item))
+    if not use_cuda:
+        con.print("emulated graphs re-run every recorded op from Python: replay is not faster than eager here; "
+                  "the timing columns mean something on CUDA")
+    con.print(_coverage_table(rows))
+    for rs in verify.values():
+        for r in rs:
+            if not r.ok:
+                con.print(f"[red]verify: {escape(str(r))}")
+    for a in audits.values():
+        for f in a.findings:
+            line = escape(f"audit: bucket {a.bucket}: {f}")
+            con.print(f"[red]{line}" if f.severity == "error" else line)
+    unserved = [n for n, how in served.items() if not how.startswith("bucket")]
+    rc = 0
+    if any(not r.ok for rs in verify.values() for r in rs) or any(a.errors for a in audits.values()):
+        rc = 1
+    elif unserved and args.hard_fail_on_fallback:
+        con.print(f"[red]{escape(f'batch sizes no graph served: {unserved} (--hard-fail-on-fallback)')}")
+        rc = 3
+    if args.dot:
+        os.makedirs(args.dot, exist_ok=True)
+        for b in runner.captured:
+            path = os.path.join(args.dot, f"bucket_{b}.dot")
+            if use_cuda:
+                runner.dot(b, path)
+            else:
+                with open(path, "w") as fh:
+                    fh.write(_dot_of_nodes(runner.nodes(b), runner.segments(b)))
+        con.print(f"DOT: {len(runner.captured)} files in {args.dot}")
+    if args.plot:
+        _plot(args.plot, report)
+        con.print(f"plot: {args.plot}")
+    if args.json:
+        doc = {"schema": SCHEMA, "header": head, "target": target.name or args.target or BUILTIN,
+               "report": report.to_dict(),
+               "verify": [dataclasses.asdict(r) | {"ok": r.ok} for rs in verify.values() for r in rs],
+               "audit": {str(b): a.to_dict() for b, a in audits.items()},
+               "coverage": [{k: r[k] for k in ("batch", "served_by", "tokens", "padding")} for r in rows],
+               "exit_code": rc}
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=2, default=str)
+        con.print(f"JSON: {args.json}")
+    con.print("result: " + {0: "clean", 1: "FAILED (verify mismatch or audit error)",
+                            3: "FAILED (eager fallback)"}[rc])
+    sys.stdout.flush()
+    return rc

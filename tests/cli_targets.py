@@ -1,0 +1,55 @@
+"""Capture targets for the CLI tests (``graphctl capture tests/cli_targets.py:<factory>``):
+each factory follows the CaptureTarget protocol; two plant a bug the command must report."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # mini, graphcases
+
+import graphctl  # noqa: E402
+from graphctl import CaptureTarget, StaticInput  # noqa: E402
+
+
+def small(*, device: str, max_batch: int, **_) -> CaptureTarget:
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).to(device)
+    x = torch.randn(max_batch, 8, generator=torch.Generator().manual_seed(1)).to(device)
+    return CaptureTarget(forward=lambda x: torch.tanh(x @ w), example=(x,), inputs=["x"], params={"w": w},
+                         name="small")
+
+
+def baked_host_value(*, device: str, max_batch: int, **_) -> CaptureTarget:
+    """The forward reads a Python counter: the graph keeps the capture-time value, eager does not."""
+    calls = [0]
+
+    def fwd(x):
+        calls[0] += 1
+        return x * float(calls[0])
+
+    x = torch.randn(max_batch, 4, generator=torch.Generator().manual_seed(2)).to(device)
+    return CaptureTarget(forward=fwd, example=(x,), inputs=["x"], name="baked_host_value")
+
+
+def target_reads_refreshed(*, device: str, max_batch: int, **_) -> CaptureTarget:
+    """The target reads the draft twin that is refreshed in place before replay (TensorRT-LLM #16887)."""
+    from graphcases import Toy
+
+    toy = Toy(device, torch.Generator().manual_seed(3), backend="emulated")
+    st = toy.state
+
+    def fwd(tokens, positions, meta):
+        bad = meta.draft_block_offsets[: tokens.shape[0] // 3, 0].float() * 2
+        with st.switch("draft"):
+            d = meta.block_offsets[: tokens.shape[0] // 3, 0].float() * 3
+        return bad + d
+
+    tokens, positions = toy.batch(min(max_batch, toy.S))
+    return CaptureTarget(forward=fwd, example=(tokens, positions, toy.meta), state=st,
+                         inputs=[StaticInput("tokens", per_item=3), StaticInput("positions", per_item=3)],
+                         name="target_reads_refreshed")
+
+
+def not_a_target(**_):
+    return {"forward": None}

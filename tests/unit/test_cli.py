@@ -1,0 +1,124 @@
+"""The graphctl command through its entry point, on the emulated backend: the capture report,
+its JSON schema, the PNG, DOT files, exit codes, clear errors for bad TARGETs and options, info
+and bench."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from graphctl.cli import main
+from graphctl.cli.capture import SCHEMA, coverage_rows, derive_buckets
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGETS = os.path.join(HERE, "cli_targets.py")
+
+
+def _capture(capsys, *argv: str) -> tuple[int, str]:
+    rc = main(["capture", "--backend", "emulated", "--iters", "2", "--no-progress", *argv])
+    return rc, capsys.readouterr().out
+
+
+def test_builtin_engine_report_json_png_and_dot(capsys, tmp_path):
+    j, png, dots = tmp_path / "r.json", tmp_path / "p.png", tmp_path / "dots"
+    rc, out = _capture(capsys, "--max-batch", "4", "--verify", "--audit", "--json", str(j), "--plot", str(png),
+                       "--dot", str(dots))
+    assert rc == 0, out
+    for col in ("bucket", "tokens", "pool MiB", "nodes", "replay us", "eager us", "speedup", "verify", "audit"):
+        assert col in out, out
+    assert "MTPEngine.step (k=3)" in out and "result: clean" in out and "3-4" in out and "bucket 4" in out
+    doc = json.loads(j.read_text())
+    assert doc["schema"] == SCHEMA and doc["exit_code"] == 0
+    assert [b["bucket"] for b in doc["report"]["buckets"]] == [1, 2, 4]
+    assert all(b["nodes"] > 0 and b["replay_us"] > 0 and b["eager_us"] > 0 for b in doc["report"]["buckets"])
+    assert len(doc["verify"]) >= 3 and all(v["ok"] for v in doc["verify"])
+    assert set(doc["audit"]) == {"1", "2", "4"} and all(a["errors"] == 0 for a in doc["audit"].values())
+    assert [c["batch"] for c in doc["coverage"]] == ["1", "2", "3-4"]
+    assert doc["header"]["device"]["name"].startswith("no CUDA device") or "compute_capability" in doc["header"]["device"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    files = sorted(os.listdir(dots))
+    assert files == ["bucket_1.dot", "bucket_2.dot", "bucket_4.dot"]
+    text = (dots / "bucket_4.dot").read_text()
+    assert text.startswith("digraph") and "cluster_draft" in text and "cluster_target" in text
+
+
+def test_verify_mismatch_exits_1(capsys):
+    rc, out = _capture(capsys, f"{TARGETS}:baked_host_value", "--buckets", "2,4", "--verify")
+    assert rc == 1 and "MISMATCH" in out and "verify: bucket" in out, out
+
+
+def test_audit_error_exits_1_and_names_the_buffer(capsys):
+    rc, out = _capture(capsys, f"{TARGETS}:target_reads_refreshed", "--buckets", "2,4", "--audit")
+    assert rc == 1 and "refreshed-in-target" in out and "draft_block_offsets" in out, out
+
+
+def test_unserved_batch_sizes_exit_3_only_with_hard_fail(capsys):
+    rc, out = _capture(capsys, f"{TARGETS}:small", "--buckets", "1,2,4", "--max-batch", "6")
+    assert rc == 0 and "5-6" in out and "eager:" in out, out
+    rc, out = _capture(capsys, f"{TARGETS}:small", "--buckets", "1,2,4", "--max-batch", "6", "--hard-fail-on-fallback")
+    assert rc == 3 and "[5, 6]" in out, out
+
+
+@pytest.mark.parametrize("target,why", [
+    ("no_colon_here", "no ':factory' part"),
+    ("graphctl_no_such_module:make", "not importable"),
+    ("graphctl.models.mtp:no_such_factory", "has no callable no_such_factory"),
+    ("/nonexistent/engine.py:make", "no file"),
+    (f"{TARGETS}:not_a_target", "returned dict"),
+])
+def test_bad_target_is_a_clear_error(capsys, target, why):
+    rc, out = _capture(capsys, target)
+    assert rc == 2 and "capture target cannot be loaded" in out and why in out and "Fix:" in out, out
+
+
+@pytest.mark.parametrize("argv,why", [
+    (["--buckets", "0,2"], "positive integers"),
+    (["--buckets", "a,b"], "positive integers"),
+    (["--max-batch", "-3"], "positive integer"),
+    (["--backend", "tpu"], "invalid choice"),
+])
+def test_bad_options_are_clear_errors(capsys, argv, why):
+    with pytest.raises(SystemExit) as e:
+        main(["capture", *argv])
+    assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_every_command_has_help_with_an_example(capsys):
+    for cmd in ("capture", "info", "bench"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0
+        assert "example" in capsys.readouterr().out, cmd
+
+
+def test_info_json_lists_versions_and_features(capsys):
+    assert main(["info", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert {"graphctl", "python", "runtime", "build", "extension", "features", "gpus"} <= set(d)
+    assert "keep_graph" in d["features"] and "cuda_bindings" in d["features"]
+
+
+def test_bench_lists_and_refuses_unknown_names(capsys):
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "draft_loop" in out and "dispatch" in out and "switch_cost" in out
+    assert main(["bench", "nope"]) == 2 and "unknown benchmark" in capsys.readouterr().out
+
+
+def test_console_entry_point_runs_capture(tmp_path):
+    # the installed module entry (python -m graphctl.cli) with the built-in engine, as the README runs it
+    j = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "graphctl.cli", "capture", "--backend", "emulated", "--max-batch", "2",
+                        "--iters", "2", "--json", str(j)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(j.read_text())["schema"] == SCHEMA
+
+
+def test_derived_buckets_and_coverage_rows():
+    assert derive_buckets(1) == [1] and derive_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    rows = coverage_rows({1: "bucket 1", 2: "bucket 2", 3: "bucket 4", 4: "bucket 4", 5: "eager: too large"}, 4)
+    assert [(r["batch"], r["tokens"]) for r in rows] == [("1", 4), ("2", 8), ("3-4", 16), ("5", None)]
+    assert rows[2]["padding"] == pytest.approx(0.25)
