@@ -87,6 +87,18 @@ void token_to_request_impl(O* out, int64_t out_n, const S* lens, int64_t n_seq, 
   for (int64_t t = num_tokens; t < out_n; ++t) out[t] = pad;
 }
 
+void loop_condition_cpu(at::Tensor& flag, const at::Tensor& counter, int64_t limit, const at::Tensor& active,
+                        int64_t handle) {
+  TORCH_CHECK(flag.device().is_cpu(), "graphctl::loop_condition_ CPU kernel got flag on ", flag.device());
+  TORCH_CHECK(handle == 0, "graphctl::loop_condition_: a conditional handle needs a CUDA graph; on the CPU pass "
+              "handle=0 (flag only)");
+  check_loop_condition(flag, counter, active);
+  const bool* a = active.const_data_ptr<bool>();
+  bool any = false;
+  for (int64_t i = 0; i < active.numel() && !any; ++i) any = a[i];
+  flag.data_ptr<int32_t>()[0] = (counter.const_data_ptr<int64_t>()[0] < limit && any) ? 1 : 0;
+}
+
 void token_to_request_cpu(at::Tensor& out, const at::Tensor& seq_lens, int64_t num_tokens, int64_t pad_value) {
   TORCH_CHECK(out.device().is_cpu(), "graphctl::token_to_request_ CPU kernel got out on ", out.device());
   check_token_to_request(out, seq_lens, num_tokens);
@@ -107,4 +119,5 @@ TORCH_LIBRARY_IMPL(graphctl, CPU, m) {
   m.impl("copy_", &graphctl::copy_cpu);
   m.impl("fingerprint", &graphctl::fingerprint_cpu);
   m.impl("token_to_request_", &graphctl::token_to_request_cpu);
+  m.impl("loop_condition_", &graphctl::loop_condition_cpu);
 }

@@ -45,6 +45,9 @@ void check_lists(const char* op, at::TensorList a, const char* an, at::TensorLis
 // buffer itself (snapshot only) or disjoint from it, and the arena must not overlap the static.
 void check_swap_overlaps(at::TensorList stat, at::TensorList arena, at::TensorList source);
 
+// Checks of loop_condition_ shared by the CPU, CUDA and Meta kernels.
+void check_loop_condition(const at::Tensor& flag, const at::Tensor& counter, const at::Tensor& active);
+
 // Checks of token_to_request_ shared by the CPU, CUDA and Meta kernels.
 void check_token_to_request(const at::Tensor& out, const at::Tensor& seq_lens, int64_t num_tokens);
 

@@ -48,7 +48,24 @@ void check_token_to_request(const at::Tensor& out, const at::Tensor& seq_lens, i
               "graphctl::token_to_request_: seq_lens must be int32 or int64, found ", seq_lens.scalar_type());
 }
 
+void check_loop_condition(const at::Tensor& flag, const at::Tensor& counter, const at::Tensor& active) {
+  TORCH_CHECK(flag.device() == counter.device() && flag.device() == active.device(),
+              "graphctl::loop_condition_: flag, counter and active must be on one device (found ", flag.device(), ", ",
+              counter.device(), ", ", active.device(), ")");
+  TORCH_CHECK(flag.numel() == 1 && flag.scalar_type() == at::kInt, "graphctl::loop_condition_: flag must be one int32 "
+              "element, found ", flag.numel(), " of ", flag.scalar_type());
+  TORCH_CHECK(counter.numel() == 1 && counter.scalar_type() == at::kLong, "graphctl::loop_condition_: counter must be "
+              "one int64 element, found ", counter.numel(), " of ", counter.scalar_type());
+  TORCH_CHECK(active.scalar_type() == at::kBool && active.is_contiguous(), "graphctl::loop_condition_: active must be "
+              "a contiguous bool mask, found ", active.scalar_type());
+}
+
 namespace {
+
+void loop_condition_meta(at::Tensor& flag, const at::Tensor& counter, int64_t limit, const at::Tensor& active,
+                         int64_t handle) {
+  check_loop_condition(flag, counter, active);
+}
 
 void swap_through_meta(at::TensorList stat, at::TensorList arena, at::TensorList source) {
   check_lists("swap_through_", stat, "static", arena, "arena");
@@ -79,6 +96,9 @@ TORCH_LIBRARY(graphctl, m) {
   // out[t] = request owning token t in the cumulative layout of seq_lens, t < num_tokens;
   // out[num_tokens:] = pad_value.
   m.def("token_to_request_(Tensor(a!) out, Tensor seq_lens, int num_tokens, int pad_value) -> ()");
+  // flag[0] = counter[0] < limit and any(active); with a nonzero handle (a cudaGraphConditionalHandle)
+  // the CUDA kernel also sets that conditional node's value: the predicate of a device-side loop.
+  m.def("loop_condition_(Tensor(a!) flag, Tensor counter, int limit, Tensor active, int handle) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(graphctl, Meta, m) {
@@ -86,6 +106,7 @@ TORCH_LIBRARY_IMPL(graphctl, Meta, m) {
   m.impl("copy_", &graphctl::copy_meta);
   m.impl("fingerprint", &graphctl::fingerprint_meta);
   m.impl("token_to_request_", &graphctl::token_to_request_meta);
+  m.impl("loop_condition_", &graphctl::loop_condition_meta);
 }
 
 // Importing graphctl._C registers the ops above (static initializers); the module itself only

@@ -25,3 +25,58 @@ def run(k: int, bs: int, graph: bool, seed: int, device="cpu", backend="emulated
                                    inputs=[StaticInput("input_ids", per_item=k + 1)], progress=False)
     gen = torch.Generator().manual_seed(seed)
     return eng, eng.generate(eng.prompts(bs, gen), STEPS, forward=forward), forward
+
+
+def trace(mode: str, *, k: int = 3, bs: int = 3, seed: int = 5, device="cpu", backend="emulated",
+          buckets=(1, 2, 4, 8), steps: int = STEPS):
+    """Accepted lengths and drafts of every step of a generation, with the step eager
+    (``mode="eager"``) or graphed in a draft-loop mode (``graphctl.models.graphed_step``)."""
+    from graphctl.models import graphed_step
+
+    eng = MTPEngine(EngineConfig(draft_len=k, max_seqs=max(buckets), seed=seed), device=device)
+    fwd = eng.step if mode == "eager" else graphed_step(eng, mode, buckets=buckets, backend=backend)
+    drafts = []
+
+    def step(ids, m):
+        out = fwd(ids, m)
+        drafts.append(out.drafts.to("cpu", copy=True))
+        return out
+
+    history = eng.generate(eng.prompts(bs, torch.Generator().manual_seed(seed)), steps, forward=step)
+    return history, drafts
+
+
+def dynamic_setup(k: int, bs: int, seed: int, device="cpu", max_seqs: int = 8):
+    """An engine after prefill with one decode step's inputs prepared: ``(engine, input_ids)``."""
+    eng = MTPEngine(EngineConfig(draft_len=k, max_seqs=max_seqs, seed=seed), device=device)
+    prompts = eng.prompts(bs, torch.Generator().manual_seed(seed))
+    context = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+    token = eng.prefill(prompts)
+    ids = torch.cat([token[:, None], token[:, None].repeat(1, k)], 1).reshape(-1)
+    eng.meta.prepare(eng.state, torch.full((bs,), k + 1, dtype=torch.int32), context + k + 1)
+    return eng, ids
+
+
+def draft_confidences(eng, ids):
+    """The draft loop run eagerly at full length: each step's draft token and its probability."""
+    accepted, bonus = eng.target_and_accept(ids)
+    st = eng.state
+    with st.switch("draft"):
+        base = eng.draft_begin(ids, accepted, st.write)
+        token, ds, cs = bonus, [], []
+        for i in range(eng.k):
+            logits = eng.draft_step(token, base + i, st.write)
+            token = logits.argmax(-1)
+            ds.append(token)
+            cs.append(torch.softmax(logits.float(), -1).amax(-1))
+    return torch.stack(ds, 1).cpu(), torch.stack(cs, 1).cpu()
+
+
+def expected_dynamic(drafts: torch.Tensor, conf: torch.Tensor, threshold: float) -> tuple[int, torch.Tensor]:
+    """What a device loop with ``threshold`` must do: the steps it takes (it stops once no
+    request is active, at most k) and its proposals (0 past each request's last active step)."""
+    k = drafts.shape[1]
+    lead = (conf >= threshold).long().cumprod(1).sum(1)  # leading steps above the threshold
+    steps = int(min(k, 1 + int(lead.max())))
+    valid = torch.clamp(1 + lead, max=steps)
+    return steps, torch.where(torch.arange(k)[None, :] < valid[:, None], drafts, torch.zeros_like(drafts))

@@ -287,6 +287,33 @@ __global__ void __launch_bounds__(1024) token_to_request_kernel(O* out, int64_t 
   }
 }
 
+// One block: any(active) by a block-wide OR, then thread 0 writes the flag and, inside a graph,
+// sets the WHILE node's condition (cudaGraphSetConditional, CUDA 12.3+, no -rdc needed).
+__global__ void __launch_bounds__(256) loop_condition_kernel(int32_t* flag, const int64_t* counter, int64_t limit,
+                                                            const bool* active, int64_t n,
+                                                            unsigned long long handle) {
+  int mine = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) mine |= active[i] ? 1 : 0;
+  const int any = __syncthreads_or(mine);
+  if (threadIdx.x == 0) {
+    const unsigned value = (*counter < limit && any) ? 1u : 0u;
+    *flag = static_cast<int32_t>(value);
+    if (handle != 0) cudaGraphSetConditional(static_cast<cudaGraphConditionalHandle>(handle), value);
+  }
+}
+
+void loop_condition_cuda(at::Tensor& flag, const at::Tensor& counter, int64_t limit, const at::Tensor& active,
+                         int64_t handle) {
+  TORCH_CHECK(flag.is_cuda(), "graphctl::loop_condition_ CUDA kernel got flag on ", flag.device());
+  check_loop_condition(flag, counter, active);
+  c10::cuda::CUDAGuard guard(flag.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  loop_condition_kernel<<<1, 256, 0, stream>>>(flag.data_ptr<int32_t>(), counter.const_data_ptr<int64_t>(), limit,
+                                              active.const_data_ptr<bool>(), active.numel(),
+                                              static_cast<unsigned long long>(handle));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void token_to_request_cuda(at::Tensor& out, const at::Tensor& seq_lens, int64_t num_tokens, int64_t pad_value) {
   TORCH_CHECK(out.is_cuda(), "graphctl::token_to_request_ CUDA kernel got out on ", out.device());
   check_token_to_request(out, seq_lens, num_tokens);
@@ -321,4 +348,5 @@ TORCH_LIBRARY_IMPL(graphctl, CUDA, m) {
   m.impl("copy_", &graphctl::copy_cuda);
   m.impl("fingerprint", &graphctl::fingerprint_cuda);
   m.impl("token_to_request_", &graphctl::token_to_request_cuda);
+  m.impl("loop_condition_", &graphctl::loop_condition_cuda);
 }

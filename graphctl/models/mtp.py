@@ -143,18 +143,34 @@ class MTPEngine:
                    write: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
         """The draft loop, run in the draft role: ``write(name, value)`` changes the layout
         (``state.write`` here; a hand-written switch passes its own)."""
-        k, meta = self.k, self.meta
-        n = accepted.shape[0]
-        self._forward(input_ids, self.draft_layers)  # the step's tokens into the draft KV cache
-        # the bonus token sits at context + accepted; from here on, one token a request
-        context = meta.kv_lens[:n] - (k + 1)
-        write("seq_lens", torch.ones_like(meta.seq_lens[:n]))
+        base = self.draft_begin(input_ids, accepted, write)
         token, proposals = bonus, []
-        for i in range(k):
-            write("kv_lens", (context + accepted + 1 + i).to(meta.kv_lens.dtype))
-            token = self._forward(token, self.draft_layers).argmax(-1)
+        for i in range(self.k):
+            token = self.draft_step(token, base + i, write).argmax(-1)
             proposals.append(token)
         return torch.stack(proposals, 1)
+
+    def draft_begin(self, input_ids: torch.Tensor, accepted: torch.Tensor,
+                    write: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
+        """The step's k+1 tokens into the draft KV cache, then the layout of one token a
+        request; returns each request's ``kv_lens`` for the first draft step (the bonus token
+        sits at context + accepted)."""
+        self._forward(input_ids, self.draft_layers)
+        return self.draft_layout(accepted, write)
+
+    def draft_layout(self, accepted: torch.Tensor, write: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
+        """One token a request from here on; returns the first draft step's ``kv_lens``."""
+        k, meta = self.k, self.meta
+        n = accepted.shape[0]
+        context = meta.kv_lens[:n] - (k + 1)
+        write("seq_lens", torch.ones_like(meta.seq_lens[:n]))
+        return (context + accepted + 1).to(meta.kv_lens.dtype)
+
+    def draft_step(self, token: torch.Tensor, kv_lens: torch.Tensor,
+                   write: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
+        """One draft step at one token a request: the draft head's logits for ``token``."""
+        write("kv_lens", kv_lens.to(self.meta.kv_lens.dtype))
+        return self._forward(token, self.draft_layers)
 
     # ------------------------------------------------------------------- host-side loop
 

@@ -15,7 +15,7 @@ from graphctl.debug import knobs
 from graphctl.ops import reference
 from graphctl.ops._load import STATUS, ExtensionStatus
 
-__all__ = ["swap_through_", "copy_", "fingerprint", "token_to_request_", "extension_status",
+__all__ = ["swap_through_", "copy_", "fingerprint", "token_to_request_", "loop_condition_", "extension_status",
            "uses_extension", "reference"]
 
 
@@ -77,3 +77,21 @@ def token_to_request_(out: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int
         torch.ops.graphctl.token_to_request_(out, seq_lens, int(num_tokens), int(pad_value))
     else:
         reference.token_to_request_(out, seq_lens, num_tokens, pad_value)
+
+
+def loop_condition_(flag: torch.Tensor, counter: torch.Tensor, limit: int, active: torch.Tensor,
+                    handle: int = 0) -> None:
+    """The predicate of a device-side draft loop: ``flag[0] = counter[0] < limit and any(active)``
+    (int32 0/1). With a nonzero ``handle`` (a ``cudaGraphConditionalHandle`` as an int) the CUDA
+    kernel also sets that WHILE node's condition, so it must then run inside the node's body;
+    that needs ``graphctl._C`` with CUDA kernels."""
+    reference.check_loop_condition(flag, counter, active)
+    if handle:
+        if not (uses_extension() and flag.is_cuda):
+            raise RuntimeError("graphctl.ops.loop_condition_: setting a conditional handle needs graphctl._C with "
+                               "CUDA kernels and CUDA tensors; see `graphctl info`")
+        torch.ops.graphctl.loop_condition_(flag, counter, int(limit), active, int(handle))
+    elif uses_extension():
+        torch.ops.graphctl.loop_condition_(flag, counter, int(limit), active, 0)
+    else:
+        reference.loop_condition_(flag, counter, limit, active)

@@ -118,3 +118,21 @@ def token_to_request_(out: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int
         t = torch.arange(num_tokens, device=out.device, dtype=torch.int64)
         flat[:num_tokens].copy_(torch.searchsorted(cum, t, right=True))
     flat[num_tokens:].fill_(pad_value)
+
+
+def check_loop_condition(flag: torch.Tensor, counter: torch.Tensor, active: torch.Tensor) -> None:
+    if not (flag.device == counter.device == active.device):
+        raise ValueError(f"graphctl::loop_condition_: flag, counter and active must be on one device (found "
+                         f"{flag.device}, {counter.device}, {active.device})")
+    if flag.numel() != 1 or flag.dtype != torch.int32:
+        raise ValueError(f"graphctl::loop_condition_: flag must be one int32 element, found {flag.numel()} of {flag.dtype}")
+    if counter.numel() != 1 or counter.dtype != torch.int64:
+        raise ValueError(f"graphctl::loop_condition_: counter must be one int64 element, found {counter.numel()} of "
+                         f"{counter.dtype}")
+    if active.dtype != torch.bool or not active.is_contiguous():
+        raise ValueError(f"graphctl::loop_condition_: active must be a contiguous bool mask, found {active.dtype}")
+
+
+def loop_condition_(flag: torch.Tensor, counter: torch.Tensor, limit: int, active: torch.Tensor) -> None:
+    """``flag[0] = counter[0] < limit and any(active)``, as int32, without a host read."""
+    flag.view(-1).copy_(((counter.view(-1)[:1] < limit) & active.reshape(-1).any().view(1)).to(torch.int32))

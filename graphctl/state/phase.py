@@ -11,7 +11,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["recording", "capturing", "resolve_phase", "capture_invalidated"]
+__all__ = ["recording", "is_recording", "capturing", "resolve_phase", "capture_invalidated"]
 
 _RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphctl_recording", default=False)
 
@@ -24,6 +24,11 @@ def recording() -> Iterator[None]:
         yield
     finally:
         _RECORDING.reset(token)
+
+
+def is_recording() -> bool:
+    """True inside :func:`recording` (the emulated recorder is running)."""
+    return _RECORDING.get()
 
 
 def capturing(device: torch.device) -> bool:

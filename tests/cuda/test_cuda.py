@@ -83,6 +83,18 @@ def test_token_to_request_cuda_matches_reference(gen):
         assert torch.equal(out.cpu(), want), (S, T, num)
 
 
+def test_loop_condition_cuda_matches_reference(gen):
+    for n in (0, 1, 255, 256, 257, 5000):
+        for p in (0.0, 0.001, 0.5):
+            active = torch.rand(n, generator=gen) < p
+            counter = torch.randint(-1, 6, (1,), generator=gen)
+            got = torch.full((1,), 7, dtype=torch.int32, device="cuda")
+            want = torch.full((1,), 7, dtype=torch.int32)
+            ops.loop_condition_(got, counter.cuda(), 4, active.cuda())
+            reference.loop_condition_(want, counter, 4, active)
+            assert torch.equal(got.cpu(), want), (n, p, int(counter))
+
+
 def test_one_kernel_per_direction_and_two_nodes_per_switch(gen):
     statics, arenas, sources = buffer_set(40, gen, "cuda")
     statics = [s for s in statics if s.numel()]

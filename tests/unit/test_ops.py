@@ -69,6 +69,31 @@ def test_token_to_request_matches_searchsorted(out_dtype, len_dtype, gen):
         assert torch.equal(out, want), (seq_lens, num)
 
 
+def test_loop_condition_matches_reference(gen):
+    for _ in range(30):
+        n = int(torch.randint(0, 700, (1,), generator=gen))  # odd sizes, empty included
+        active = torch.rand(n, generator=gen) < float(torch.rand(1, generator=gen)) ** 4  # often all False
+        counter = torch.randint(-2, 9, (1,), generator=gen)
+        limit = int(torch.randint(0, 8, (1,), generator=gen))
+        got, want = torch.full((1,), 7, dtype=torch.int32), torch.full((1,), 7, dtype=torch.int32)
+        torch.ops.graphctl.loop_condition_(got, counter, limit, active, 0)
+        reference.loop_condition_(want, counter, limit, active)
+        assert torch.equal(got, want) and int(got) in (0, 1), (n, int(counter), limit)
+        assert int(want) == int(int(counter) < limit and bool(active.any()))
+
+
+def test_loop_condition_refuses_bad_arguments():
+    flag, counter, active = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), torch.ones(3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="flag must be one int32 element"):
+        ops.loop_condition_(torch.zeros(2, dtype=torch.int32), counter, 3, active)
+    with pytest.raises(ValueError, match="counter must be one int64 element"):
+        ops.loop_condition_(flag, counter.int(), 3, active)
+    with pytest.raises(ValueError, match="active must be a contiguous bool mask"):
+        ops.loop_condition_(flag, counter, 3, active.int())
+    with pytest.raises(RuntimeError, match="conditional handle needs"):
+        ops.loop_condition_(flag, counter, 3, active, handle=1234)
+
+
 def test_op_errors_name_the_entry(gen):
     a = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"static\[0\] has 16 bytes but arena\[0\] has 12"):

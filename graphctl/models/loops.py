@@ -1,0 +1,188 @@
+"""Three ways to capture the engine's draft loop (``graphed_step(engine, mode=...)``):
+
+- ``unrolled`` (the default): target forward, acceptance and all k draft steps recorded into
+  one graph per bucket, the draft switch and every recompute in-graph. What TensorRT-LLM and
+  SGLang do; the draft length is fixed at capture.
+- ``per_step``: one graph for the target forward and acceptance, one for the draft head's
+  prefill of the step's tokens, one for a single draft step; the draft step is replayed k times
+  inside a host-side ``state.switch("draft")``, with the layout written between steps
+  (``state.write("kv_lens", ...)``: the derived maps are recomputed eagerly each time, and the
+  switch restores everything, on any exception too). What vLLM does.
+- ``device_loop``: one graph whose draft steps run as the body of a CUDA conditional WHILE node
+  (:class:`~graphctl.graphs.conditional.DeviceLoop`). A device-side predicate
+  (``graphctl.ops.loop_condition_``) stops the loop once every request's last draft token had a
+  probability below ``threshold``, or after k steps; a per-request mask keeps finished requests
+  from writing (their tokens, proposals and ``kv_lens`` stay as they were). Proposals past a
+  request's stop are 0; ``DynamicDraft.counter`` holds the steps taken. CUDA only.
+
+With ``threshold=0`` every mode proposes the same tokens (``tests/engine``, ``tests/cuda``).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from graphctl import ops
+from graphctl.errors import CaptureError, DeclarationError
+from graphctl.graphs import GraphRunner, StaticInput, graphed, select_backend
+from graphctl.graphs.conditional import DeviceLoop
+from graphctl.models.mtp import MTPEngine, StepOutput
+
+__all__ = ["MODES", "graphed_step", "DynamicDraft", "PerStepLoop"]
+
+MODES = ("unrolled", "per_step", "device_loop")
+
+
+class DynamicDraft:
+    """The device loop's state, allocated once at ``max_seqs`` rows (every bucket uses a prefix,
+    so addresses stay put): step counter, per-request active mask, current token, proposals,
+    first-step ``kv_lens``, and the confidence threshold as a device scalar (changed without
+    recapture through :meth:`set_threshold`)."""
+
+    def __init__(self, eng: MTPEngine, threshold: float = 0.0) -> None:
+        S, k, dev = eng.cfg.max_seqs, eng.k, eng.device
+        self.eng = eng
+        self.counter = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.active = torch.zeros(S, dtype=torch.bool, device=dev)
+        self.token = torch.zeros(S, dtype=torch.int64, device=dev)
+        self.proposals = torch.zeros(S, k, dtype=torch.int64, device=dev)
+        self.base = torch.zeros(S, dtype=eng.meta.kv_lens.dtype, device=dev)
+        self.threshold = torch.full((1,), float(threshold), device=dev)
+        self.loop = DeviceLoop(dev)
+
+    def set_threshold(self, value: float) -> None:
+        self.threshold.fill_(float(value))
+
+    def step(self, input_ids: torch.Tensor, meta: Any) -> StepOutput:
+        """One decode step whose draft loop the device ends (a forward for ``@graphed``)."""
+        eng, st = self.eng, self.eng.state
+        accepted, bonus = eng.target_and_accept(input_ids)
+        n = accepted.shape[0]
+        active, token, base, props = self.active[:n], self.token[:n], self.base[:n], self.proposals[:n]
+        with st.switch("draft"):
+            base.copy_(eng.draft_begin(input_ids, accepted, st.write))
+            token.copy_(bonus)
+            props.zero_()
+            active.fill_(True)
+            self.counter.zero_()
+
+            def body() -> None:
+                kv = torch.where(active, base + self.counter, meta.kv_lens[:n])  # finished requests keep theirs
+                logits = eng.draft_step(token, kv, st.write)
+                new = logits.argmax(-1)
+                conf = torch.softmax(logits.float(), -1).amax(-1)
+                token.copy_(torch.where(active, new, token))
+                props.index_copy_(1, self.counter, torch.where(active, new, 0)[:, None])
+                active.logical_and_(conf >= self.threshold)
+                self.counter.add_(1)
+
+            def predicate(flag: torch.Tensor, handle: int) -> None:
+                ops.loop_condition_(flag, self.counter, eng.k, active, handle)
+
+            self.loop.run(body, predicate, eng.k)
+            drafts = props.clone()
+        return StepOutput(accepted, bonus, drafts)
+
+
+class PerStepLoop:
+    """``per_step`` mode: call it like ``engine.step`` (see the module docstring). Graphs are
+    captured at the first call, from its inputs, like ``@graphed``."""
+
+    def __init__(self, eng: MTPEngine, buckets: Sequence[int], backend: str = "auto") -> None:
+        self.eng, k1 = eng, eng.k + 1
+        self.head = GraphRunner(self._target, buckets=buckets, state=eng.state, backend=backend,
+                                inputs=[StaticInput("input_ids", per_item=k1)], progress=False)
+        self.backend_name = backend
+        S = eng.cfg.max_seqs
+        self.token = torch.zeros(S, dtype=torch.int64, device=eng.device)
+        self.proposals = torch.zeros(S, eng.k, dtype=torch.int64, device=eng.device)
+        self._graphs: dict[int, tuple[Any, Any]] = {}  # bucket -> (prefill graph, step graph)
+        self._be: Any = None
+
+    def _target(self, input_ids: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.eng.target_and_accept(input_ids)  # meta: frozen, so a call with another object is refused
+
+    def _draft_graphs(self, b: int) -> tuple[Any, Any]:
+        """Capture the draft prefill and one draft step for bucket ``b``, in the draft role (the
+        caller holds the switch): they record the draft KV cache and the swapped tables."""
+        eng, be = self.eng, self._be
+        ids = self.head.static_input("input_ids")[: b * (eng.k + 1)]
+        token = self.token[:b]
+
+        def prefill(_mark=None) -> None:
+            eng._forward(ids, eng.draft_layers)
+
+        def step(_mark=None) -> None:
+            token.copy_(eng._forward(token, eng.draft_layers).argmax(-1))
+
+        be.warmup(prefill)
+        p, _ = be.capture(prefill, self._pool, b)
+        self._layout(b)
+        be.warmup(step)
+        s, _ = be.capture(step, self._pool, b)
+        return p, s
+
+    def _layout(self, b: int) -> torch.Tensor:
+        """Eagerly, in the draft role: one token a request; the first step's ``kv_lens``."""
+        st, acc, _ = self.eng.state, *self.head.outputs(b)
+        return self.eng.draft_layout(acc, st.write)
+
+    def capture_all(self, input_ids: torch.Tensor, meta: Any) -> "PerStepLoop":
+        eng, st = self.eng, self.eng.state
+        self.head.capture_all(input_ids, meta)
+        self._be = select_backend(self.backend_name, eng.device)
+        self._pool = self._be.new_pool()
+        n = input_ids.shape[0] // (eng.k + 1)
+        for b in sorted(self.head.captured, reverse=True):
+            m = min(n, b)
+            self.head(input_ids[: m * (eng.k + 1)], meta)  # loads the bucket's inputs, pads the state
+            with st.switch("draft"):
+                self._graphs[b] = self._draft_graphs(b)
+        return self
+
+    def __call__(self, input_ids: torch.Tensor, meta: Any) -> StepOutput:
+        eng, st, k = self.eng, self.eng.state, self.eng.k
+        if not self._graphs:
+            self.capture_all(input_ids, meta)
+        accepted, bonus = self.head(input_ids, meta)
+        n = accepted.shape[0]
+        b = self.head.buckets.pick(n)
+        if b not in self._graphs:
+            raise CaptureError("per_step has no draft graphs for this batch", expected=f"a bucket of {sorted(self._graphs)}",
+                               found=f"n={n}", fix="capture with a larger bucket")
+        prefill, step = self._graphs[b]
+        _, bonus_b = self.head.outputs(b)
+        with st.switch("draft"):
+            prefill.replay()
+            base = self._layout(b)
+            self.token[:b].copy_(bonus_b)
+            for i in range(k):
+                st.write("kv_lens", base + i)  # the refresh between steps: derived maps follow, eagerly
+                step.replay()
+                self.proposals[:b, i].copy_(self.token[:b])
+        return StepOutput(accepted, bonus, self.proposals[:n])
+
+
+def graphed_step(eng: MTPEngine, mode: str = "unrolled", *, buckets: Sequence[int] = (1, 2, 4, 8),
+                 backend: str = "auto", threshold: float = 0.0) -> Any:
+    """A callable like ``eng.step`` (``(input_ids, meta) -> StepOutput``) graphed in ``mode``;
+    ``threshold`` is the device loop's confidence threshold (``device_loop`` only)."""
+    if mode not in MODES:
+        raise DeclarationError("unknown draft-loop mode", expected=" / ".join(MODES), found=mode,
+                               fix="unrolled (one graph), per_step (one graph per step) or device_loop (WHILE node)")
+    inputs = [StaticInput("input_ids", per_item=eng.k + 1)]
+    if mode == "unrolled":
+        return graphed(eng.step, buckets=list(buckets), state=eng.state, backend=backend, inputs=inputs,
+                       progress=False)
+    if mode == "per_step":
+        return PerStepLoop(eng, buckets, backend)
+    if eng.device.type != "cuda" or backend == "emulated":
+        raise CaptureError("device_loop needs CUDA", expected="a CUDA engine and backend 'cuda' or 'auto'",
+                           found=f"engine on {eng.device}, backend {backend!r}",
+                           fix="run on a GPU, or use mode='unrolled' or 'per_step' (both run on the emulated backend)")
+    dyn = DynamicDraft(eng, threshold)
+    runner = graphed(dyn.step, buckets=list(buckets), state=eng.state, backend=backend, inputs=inputs,
+                     progress=False)
+    runner.dynamic = dyn
+    return runner
