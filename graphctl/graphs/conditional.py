@@ -27,11 +27,51 @@ from typing import Callable, Iterator
 
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from graphctl.errors import CaptureError
 from graphctl.graphs.features import cuda_bindings
 from graphctl.state.phase import is_recording
 
 __all__ = ["DeviceLoop"]
+
+# Node types a conditional body may not hold (CUDA refuses them at instantiation with a
+# message that names neither the op nor the loop): what each one means in torch terms.
+_FORBIDDEN = {"cudaGraphNodeTypeWaitEvent": "a second stream (an event wait: side streams, NCCL)",
+              "cudaGraphNodeTypeEventRecord": "a second stream (an event record: side streams, NCCL)",
+              "cudaGraphNodeTypeMemAlloc": "a graph memory allocation node (cudaMallocAsync)",
+              "cudaGraphNodeTypeMemFree": "a graph memory free node (cudaFreeAsync)",
+              "cudaGraphNodeTypeHost": "a host callback"}
+
+
+class _BodyGuard(TorchDispatchMode):
+    """Refuses, while the loop body is captured, what a conditional body cannot hold: random
+    numbers (the Philox offset would be the same every iteration; torch refuses RNG in
+    conditional nodes) and host reads of device values."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise CaptureError("random numbers inside a device-loop body", expected="no RNG in the loop body",
+                               found=func.name(), fix="draw the random numbers before the loop into a buffer the "
+                               "body indexes, or use mode='unrolled'")
+        if func.name() == "aten::_local_scalar_dense":
+            raise CaptureError("a host read of a device value inside a device-loop body", expected="device-only work",
+                               found=func.name(), fix="keep .item()/int()/bool() of device values out of the body; "
+                               "the loop's predicate decides on the device")
+        return func(*args, **(kwargs or {}))
+
+
+def _check_body(rt, body_graph) -> None:
+    err, _, n = rt.cudaGraphGetNodes(body_graph, 0)
+    err, nodes, n = rt.cudaGraphGetNodes(body_graph, n)
+    for node in nodes[:int(n)]:
+        err, kind = rt.cudaGraphNodeGetType(node)
+        why = _FORBIDDEN.get(kind.name) if int(err) == 0 else None
+        if why:
+            raise CaptureError("the device-loop body holds a node a conditional body cannot", expected="kernels, "
+                               "copies and memsets on one stream", found=f"{kind.name}: {why}",
+                               fix="run the loop body on the current stream only, without collectives; or use "
+                                   "mode='unrolled' or 'per_step'")
 
 
 def _check(r, what: str):
@@ -118,7 +158,7 @@ class DeviceLoop:
         idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
         ok = False
         try:
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(self._stream), _BodyGuard():
                 begin(idx, self._pool)
                 try:
                     yield int(handle)
@@ -129,4 +169,5 @@ class DeviceLoop:
             r = rt.cudaStreamEndCapture(s)
             if ok:
                 _check(r, "cudaStreamEndCapture (loop body)")
+        _check_body(rt, body_graph)
         self.nodes_spliced += 1
