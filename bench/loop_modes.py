@@ -79,10 +79,10 @@ def main() -> int:
             same = {mode: torch.equal(f(ids, eng.meta).drafts, want) for mode, f in fns.items()}
             ok &= all(same.values())
             t = latencies_us({m: (lambda f=f: f(ids, eng.meta)) for m, f in fns.items()}, a.reps)
-            # dynamic length: the threshold whose expected stop is closest to half of k
+            # dynamic length: the threshold whose expected stop is closest to half of k (rounded up)
             conf = confidences(eng, ids)
             cands = sorted(set(conf.flatten().tolist()))
-            thr = min(cands, key=lambda c: (abs(expected_steps(conf, c) - max(1, k // 2)), c))
+            thr = min(cands, key=lambda c: (abs(expected_steps(conf, c) - (k + 1) // 2), c))
             dyn = fns["device_loop"].dynamic
             dyn.set_threshold(thr)
             fns["device_loop"](ids, eng.meta)

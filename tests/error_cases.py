@@ -129,6 +129,34 @@ def _runner(fn=None, capture=True, **kw):
     return r, m, x
 
 
+def _small_engine():
+    from graphctl.models import EngineConfig, MTPEngine
+
+    return MTPEngine(EngineConfig(draft_len=2, max_seqs=2, layers=1, hidden=8))
+
+
+def _unknown_loop_mode():
+    from graphctl.models import graphed_step
+
+    graphed_step(_small_engine(), "sideways")
+
+
+def _loop_on_cpu():
+    from graphctl.models import graphed_step
+
+    graphed_step(_small_engine(), "device_loop", backend="emulated")
+
+
+def _loop_recorded():
+    from graphctl.graphs.conditional import DeviceLoop
+
+    loop = DeviceLoop(torch.device("cpu"))
+    flag = torch.zeros(1, dtype=torch.int32)
+    graphed(lambda x: loop.run(lambda: x.add_(1), lambda f, h: None, 2) or x, backend="emulated", buckets=[2],
+            progress=False, warmup_iters=0)(torch.ones(2, 2))
+    return flag
+
+
 def _illegal_item():
     def fn(x, meta):
         if x.sum().item() > 0:  # a host read of a device value: illegal under capture
@@ -342,6 +370,9 @@ CASES: list[Case] = [
     Case("replay-frozen", ReplayError, "replay", "another object for a frozen (non-input) argument",
          lambda: (lambda r, m, x: r(x, _mini()[0]))(*_runner())),
     Case("replay-moved", ReplayError, "replay", "a static buffer rebound after capture (manifest check)", _moved),
+    Case("loop-mode", DeclarationError, "capture", "an unknown draft-loop mode", _unknown_loop_mode),
+    Case("loop-needs-cuda", CaptureError, "capture", "mode='device_loop' on the emulated backend", _loop_on_cpu),
+    Case("loop-recorded", CaptureError, "capture", "a device loop run under the emulated recorder", _loop_recorded),
     Case("dot-emulated", ReplayError, "inspect", "DOT export of an emulated graph",
          lambda: (lambda r, m, x: r.dot(2, "/tmp/graphctl-never.dot"))(*_runner())),
 ]

@@ -74,12 +74,15 @@ def _check_body(rt, body_graph) -> None:
                                    "mode='unrolled' or 'per_step'")
 
 
-def _check(r, what: str):
+_NEEDS = ("the device loop needs CUDA 12.4+ and a driver with conditional nodes; see `graphctl info` "
+          "(conditional_nodes), or use mode='unrolled'")
+
+
+def _check(r, what: str, fix: str = _NEEDS):
     err, *out = r
     if int(err) != 0:
         raise CaptureError(f"{what} failed while splicing a WHILE node", expected="cudaSuccess", found=str(err),
-                           fix="the device loop needs CUDA 12.4+ and a driver with conditional nodes; see "
-                               "`graphctl info` (conditional_nodes), or use mode='unrolled'")
+                           fix=fix)
     return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -168,6 +171,8 @@ class DeviceLoop:
         finally:
             r = rt.cudaStreamEndCapture(s)
             if ok:
-                _check(r, "cudaStreamEndCapture (loop body)")
+                _check(r, "cudaStreamEndCapture (loop body)", "the loop body holds something a conditional body "
+                       "cannot (event nodes from NCCL or external events, allocation nodes, host callbacks); keep "
+                       "the body to kernels and copies on its stream, or use mode='unrolled' or 'per_step'")
         _check_body(rt, body_graph)
         self.nodes_spliced += 1

@@ -84,7 +84,9 @@ def test_rng_in_the_loop_body_is_refused():
     assert "random numbers inside a device-loop body" in str(e.value) + str(e.value.__cause__)
 
 
-def test_a_side_stream_in_the_loop_body_is_refused():
+def test_a_side_stream_inside_the_loop_body_joins_the_body():
+    # A side stream that forks from and joins the body stream becomes a branch of the body graph
+    # (no event nodes), which a conditional body may hold: the loop still runs three times.
     side = torch.cuda.Stream()
 
     def extra(x):
@@ -95,7 +97,16 @@ def test_a_side_stream_in_the_loop_body_is_refused():
 
     f = graphctl.graphed(_loop_forward(extra), buckets=[4], backend="cuda", progress=False, inputs=["x"],
                          warmup_iters=1)
+    assert torch.equal(f(torch.zeros(4, 2, device="cuda")), torch.full((4, 2), 6.0, device="cuda"))
+
+
+def test_an_event_node_in_the_loop_body_is_refused_by_name():
+    # External events are recorded as event nodes (what NCCL and cross-graph sync produce), which
+    # a conditional body cannot hold; graphctl names the node type instead of failing at launch.
+    ev = torch.cuda.Event(external=True)
+    f = graphctl.graphed(_loop_forward(lambda x: ev.record()), buckets=[4], backend="cuda", progress=False,
+                         inputs=["x"], warmup_iters=1)
     with pytest.raises(CaptureError) as e:
         f(torch.zeros(4, 2, device="cuda"))
     msg = str(e.value) + str(e.value.__cause__)
-    assert "conditional body cannot" in msg or "cudaStreamEndCapture" in msg, msg
+    assert ("conditional body cannot" in msg and "EventRecord" in msg) or "event nodes" in msg, msg
