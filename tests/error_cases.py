@@ -157,6 +157,24 @@ def _loop_recorded():
     return flag
 
 
+def _agreed_switch_fails():
+    import tempfile
+
+    import torch.distributed as dist
+
+    from graphctl.graphs.distributed import Agreement, agreed_switch
+
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
+        try:
+            m, st = _mini()
+            m.draft_kv_cache_manager.pool_indices = m.draft_kv_cache_manager.pool_indices[:2]
+            with agreed_switch(st, "draft", Agreement(dist.group.WORLD), phase="eager"):
+                pass
+        finally:
+            dist.destroy_process_group()
+
+
 def _illegal_item():
     def fn(x, meta):
         if x.sum().item() > 0:  # a host read of a device value: illegal under capture
@@ -373,6 +391,8 @@ CASES: list[Case] = [
     Case("loop-mode", DeclarationError, "capture", "an unknown draft-loop mode", _unknown_loop_mode),
     Case("loop-needs-cuda", CaptureError, "capture", "mode='device_loop' on the emulated backend", _loop_on_cpu),
     Case("loop-recorded", CaptureError, "capture", "a device loop run under the emulated recorder", _loop_recorded),
+    Case("agreed-switch", SwitchError, "replay", "a refresh failing on one rank of a group (here a group of one)",
+         _agreed_switch_fails),
     Case("dot-emulated", ReplayError, "inspect", "DOT export of an emulated graph",
          lambda: (lambda r, m, x: r.dot(2, "/tmp/graphctl-never.dot"))(*_runner())),
 ]

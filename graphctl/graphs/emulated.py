@@ -77,10 +77,13 @@ def _illegal(func: torch._ops.OpOverload, args: tuple, out: Any) -> str | None:
 
 
 class _Op:
-    __slots__ = ("func", "args", "kwargs", "fresh")
+    __slots__ = ("func", "args", "kwargs", "fresh", "waits")
 
     def __init__(self, func, args, kwargs, fresh) -> None:
         self.func, self.args, self.kwargs, self.fresh = func, args, kwargs, fresh
+        # collectives (c10d ops) return a Work handle that the Python wrapper waits on; a replay
+        # runs the op itself, so it must wait too
+        self.waits = tuple(i for i, r in enumerate(func._schema.returns) if str(r.type).endswith("Work"))
 
 
 class _Recorder(TorchDispatchMode):
@@ -135,6 +138,8 @@ class EmulatedGraph:
         with torch.no_grad():
             for op in self._ops:
                 res = op.func(*op.args, **op.kwargs)
+                for i in op.waits:
+                    res[i].wait()
                 if op.fresh:
                     flat, _ = tree_flatten(res)
                     for i, t in op.fresh:

@@ -43,6 +43,7 @@ from graphctl.debug import knobs
 from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs.backends import select_backend
 from graphctl.graphs.cuda import refuse_nested_capture
+from graphctl.graphs.distributed import Agreement, agreed_switch
 from graphctl.graphs.nodes import Region
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, InputSlot, StaticInput
 from graphctl.graphs.report import Segment
@@ -140,18 +141,21 @@ class GraphRunner(Inspection):
     batch item for ``state.pad``; default ``{"seq": 1, "token": <first input's per_item>}``),
     ``warmup_iters`` (eager runs per bucket before capture), ``progress`` (a progress bar;
     ``None``: when stderr is a terminal), ``params`` (the model tensors the forward reads, for
-    the audit: an ``nn.Module``, a name -> tensor mapping or an iterable). See the module
-    docstring for the constraints."""
+    the audit: an ``nn.Module``, a name -> tensor mapping or an iterable), ``group`` (a
+    ``torch.distributed`` process group, e.g. ``dist.group.WORLD``: before each call the ranks
+    agree on the bucket (the largest batch over ranks) and on falling back together, and the
+    replay's refresh switch is entered on every rank or on none; see ``graphs/distributed.py``).
+    See the module docstring for the constraints."""
 
     def __init__(self, fn: Callable[..., Any], *, buckets: Sequence[int] = DEFAULT_BUCKETS, state: Any = None,
                  inputs: Sequence[str | StaticInput] | None = None, backend: str = "auto", fallback: str = "error",
                  pad_axes: Mapping[str, int] | None = None, warmup_iters: int = 2, progress: bool | None = None,
-                 params: Any = None) -> None:
+                 params: Any = None, group: Any = None) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self._options = dict(buckets=buckets, state=state, inputs=inputs, backend=backend, fallback=fallback,
                              pad_axes=pad_axes, warmup_iters=warmup_iters, progress=progress,
-                             params=params)
+                             params=params, group=group)
         self.buckets = Buckets(buckets)
         # state="attr" names the instance's metadata when a method is decorated (see __get__)
         self._state_attr = state if isinstance(state, str) else None
@@ -167,6 +171,8 @@ class GraphRunner(Inspection):
         self.warmup_iters = int(warmup_iters)
         self.progress = progress
         self.params = params  # model tensors for the audit's classification (see audit())
+        self.group = group  # a torch.distributed group: ranks agree on bucket, fallback and refresh
+        self._agreement: Agreement | None = None
         self._sig = inspect.signature(fn)
         self._params = list(self._sig.parameters)
         self._pos = {p: i for i, p in enumerate(self._params)}
@@ -301,11 +307,15 @@ class GraphRunner(Inspection):
         self._load(list(self._head(arguments, m).values()), m, bucket)
 
     def capture_all(self, *args: Any, **kwargs: Any) -> "GraphRunner":
-        """Warm every bucket up eagerly, then capture them largest first into one pool.
+        """Warm every bucket up eagerly, then capture them largest first into one pool. With
+        ``group``, every rank must call it (the same buckets, in the same order: the forward's
+        collectives are warmed up and captured in step).
 
         The example call fixes dtypes, devices, non-batch dims and every non-input argument;
         its first ``min(n, bucket)`` items fill each bucket's inputs, the rest is padding."""
         refuse_nested_capture()  # before anything is allocated or warmed up: a capture would record it
+        if self.group is not None and self._agreement is None:
+            self._agreement = Agreement(self.group)
         if self._graphs:
             raise CaptureError("graphs are already captured", expected="one capture_all per runner",
                                found=f"buckets {sorted(self._graphs)}", fix="call reset() first to capture again")
@@ -408,18 +418,20 @@ class GraphRunner(Inspection):
         if not self._graphs:
             self.capture_all(*args, **kwargs)
         n, lives = self._batch(args, kwargs)
-        bucket = self.buckets.pick(n)
-        if bucket is None:
-            return self._unservable(args, kwargs, ReplayError(
-                "batch size outside the captured buckets", expected=f"1 <= n <= {self.buckets.largest}",
-                found=f"n = {n}", fix="add a larger bucket, split the batch, or pass fallback='eager'"))
-        for slot, live in zip(self._slots, lives):
-            if not slot.fits(live, n):
-                return self._unservable(args, kwargs, slot.spec.check(live, slot.static, n))
-        if self._frozen:
-            err = self._check_frozen(args, kwargs)
-            if err is not None:
-                return self._unservable(args, kwargs, err)
+        err, agreed = self._check_call(n, lives, args, kwargs), n
+        if self.group is not None:  # every rank replays one bucket, or every rank runs eagerly
+            agreed, all_ok = self._agreement.agree(n, err is None)
+            if err is None and not all_ok:
+                err = ReplayError("a peer rank cannot replay this call", expected="every rank servable",
+                                  found=f"this rank n = {n}, largest n over ranks = {agreed}",
+                                  fix="see the peer rank's log for its reason; all ranks run eagerly together")
+            elif err is None and self.buckets.pick(agreed) is None:
+                err = ReplayError("batch size outside the captured buckets (on a peer rank)",
+                                  expected=f"1 <= n <= {self.buckets.largest} on every rank",
+                                  found=f"largest n over ranks = {agreed}", fix="add a larger bucket")
+        if err is not None:
+            return self._unservable(args, kwargs, err)
+        bucket = self.buckets.pick(agreed)
         cap = self._graphs[bucket]
         self._load(lives, n, bucket)
         if not cap.checked or knobs.check_manifest:
@@ -427,10 +439,26 @@ class GraphRunner(Inspection):
         self._replay(cap)
         return cap.outputs(n)
 
+    def _check_call(self, n: int, lives: list[Any], args: tuple, kwargs: dict) -> ReplayError | None:
+        """Why this rank cannot replay this call, or None."""
+        if self.buckets.pick(n) is None:
+            return ReplayError("batch size outside the captured buckets", expected=f"1 <= n <= {self.buckets.largest}",
+                               found=f"n = {n}", fix="add a larger bucket, split the batch, or pass fallback='eager'")
+        for slot, live in zip(self._slots, lives):
+            if not slot.fits(live, n):
+                return slot.spec.check(live, slot.static, n)
+        if self._frozen:
+            return self._check_frozen(args, kwargs)
+        return None
+
     def _replay(self, cap: _Captured) -> None:
         if cap.draft and self._refreshes:
-            with self.state.switch("draft", phase="refresh"):
-                cap.graph.replay()
+            if self.group is not None:  # a refresh that fails on one rank restores on all, before any replay
+                with agreed_switch(self.state, "draft", self._agreement, phase="refresh"):
+                    cap.graph.replay()
+            else:
+                with self.state.switch("draft", phase="refresh"):
+                    cap.graph.replay()
         else:
             cap.graph.replay()
         cap.replays += 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -61,7 +61,7 @@ class MTPEngine:
     broken one); ``oracle`` makes the draft head the target's own layers."""
 
     def __init__(self, cfg: EngineConfig = EngineConfig(), *, device="cpu", oracle: bool = True,
-                 spec: StateSpec | None = None) -> None:
+                 spec: StateSpec | None = None, tp_group: Any = None) -> None:
         self.cfg, self.device, self.k = cfg, torch.device(device), cfg.draft_len
         H, dev = cfg.hidden, self.device
         g = torch.Generator().manual_seed(cfg.seed)
@@ -69,6 +69,9 @@ class MTPEngine:
         self.lm_head = (torch.randn(H, cfg.vocab, generator=g) * 4 * H ** -0.5).to(dev, cfg.dtype)  # wide margins
         self.target_layers = [_Layer(H, g, cfg.dtype, dev) for _ in range(cfg.layers)]
         self.draft_layers = self.target_layers if oracle else [_Layer(H, g, cfg.dtype, dev) for _ in range(cfg.layers)]
+        self.tp_group = tp_group
+        if tp_group is not None:  # every rank drew the same full weights: keep this rank's shard of the MLP
+            self._shard_mlp(tp_group)
         blocks = -(-cfg.max_context // cfg.block_size)
         mk = lambda name, seed: KVCacheManager(name, layers=cfg.layers, seqs=cfg.max_seqs, blocks=blocks,  # noqa: E731
                                                block_size=cfg.block_size, head_dim=H, dtype=cfg.dtype, device=dev,
@@ -81,6 +84,20 @@ class MTPEngine:
         self.state: BoundState = bind(self.meta, registry=self.registry)
         C = blocks * cfg.block_size
         self._j = torch.arange(C, device=dev)
+
+    def _shard_mlp(self, group: Any) -> None:
+        """Tensor parallelism of the MLP: ``w1`` column-parallel, ``w2`` row-parallel, an
+        all-reduce after ``w2`` (in ``_forward``). Attention and the KV caches are replicated."""
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        layers = {id(L): L for L in self.target_layers + self.draft_layers}.values()
+        for L in layers:
+            c = L.w1.shape[1] // world
+            if c * world != L.w1.shape[1]:
+                raise ValueError(f"MLP width {L.w1.shape[1]} does not split over {world} ranks")
+            L.w1 = L.w1[:, rank * c:(rank + 1) * c].contiguous()
+            L.w2 = L.w2[rank * c:(rank + 1) * c].contiguous()
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """The model's weights and both KV caches by name: what the audit classifies as
@@ -120,7 +137,10 @@ class MTPEngine:
             att = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
             x = x + torch.einsum("tc,tch->th", att, V) @ L.wo
             h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
-            x = x + torch.nn.functional.gelu(h @ L.w1) @ L.w2
+            y = torch.nn.functional.gelu(h @ L.w1) @ L.w2
+            if self.tp_group is not None:  # row-parallel w2: partial sums from every rank
+                torch.distributed.all_reduce(y, group=self.tp_group)
+            x = x + y
         return torch.nn.functional.rms_norm(x, (x.shape[-1],)) @ self.lm_head
 
     def step(self, input_ids: torch.Tensor, meta: PagedMetadata) -> StepOutput:
