@@ -55,6 +55,8 @@ def run_bench(args) -> int:
         if r.returncode:
             con.print(f"[red]{n}: exit code {r.returncode}")
             rc = 1
-        else:
+        elif os.path.exists(out):
             con.print(f"{n}: JSON in {out}")
+        else:
+            con.print(f"{n}: no JSON (the benchmark did not run; its output says why)")
     return rc
