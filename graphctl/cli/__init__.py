@@ -97,9 +97,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(e.g. in CI: graphctl capture --hard-fail-on-fallback)")
     c.add_argument("--iters", type=_positive, default=20, metavar="N",
                    help="timed calls per bucket for the medians, e.g. --iters 50 (default 20)")
-    c.add_argument("--seed", type=int, default=0, help="seed of --verify's random inputs (default 0)")
+    c.add_argument("--seed", type=int, default=0, help="seed of --verify's random inputs, e.g. --seed 7 (default 0)")
     c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar during capture (default: when stderr is a terminal)")
+                   help="progress bar during capture, e.g. --no-progress in logs (default: when stderr is a terminal)")
 
     info = sub.add_parser("info", help="versions, extension build vs runtime, features, devices",
                           description="Print graphctl, torch, CUDA runtime and driver, cuda-bindings and Python "
@@ -115,12 +115,21 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", metavar="DIR", default="bench/out",
                    help="where each benchmark's JSON goes, e.g. --out /tmp/bench (default bench/out)")
     b.add_argument("--list", action="store_true", help="list the benchmarks and exit (e.g. graphctl bench --list)")
-    b.add_argument("extra", nargs=argparse.REMAINDER, help="after --: arguments passed to every benchmark")
+    b.epilog = "arguments after -- go to every benchmark, e.g. graphctl bench draft_loop -- --reps 20"
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra: list[str] = []
+    if "--" in argv:  # everything after -- belongs to the benchmarks (graphctl bench ... -- --reps 20)
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"arguments after -- are for graphctl bench only, found {extra}")
+    args.extra = extra
     if args.command == "capture":
         from graphctl.cli.capture import run_capture
 

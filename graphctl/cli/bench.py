@@ -41,7 +41,7 @@ def run_bench(args) -> int:
         con.print(f"[red]graphctl bench: unknown benchmark {unknown}; choose from {sorted(benches)}")
         return 2
     names = args.names or list(benches)
-    extra = [a for a in args.extra if a != "--"]
+    extra = list(args.extra)
     if not torch.cuda.is_available():
         for n in names:
             con.print(f"{n}: skipped: needs a CUDA device (torch.cuda.is_available() is False on this machine)")

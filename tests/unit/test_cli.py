@@ -108,6 +108,25 @@ def test_bench_lists_and_refuses_unknown_names(capsys):
     assert main(["bench", "nope"]) == 2 and "unknown benchmark" in capsys.readouterr().out
 
 
+def test_bench_arguments_after_double_dash_go_to_the_benchmarks():
+    from graphctl.cli import _parser
+
+    a = _parser().parse_args(["bench", "draft_loop", "--out", "/tmp/x"])
+    assert a.names == ["draft_loop"] and a.out == "/tmp/x"
+    with pytest.raises(SystemExit) as e:
+        main(["capture", "--", "--reps", "3"])
+    assert e.value.code == 2
+
+
+def test_bench_without_a_gpu_lists_each_benchmark_as_skipped(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the benchmarks would run")
+    assert main(["bench", "draft_loop", "--out", "/tmp/graphctl-bench-test", "--", "--reps", "1"]) == 0
+    assert "draft_loop: skipped: needs a CUDA device" in capsys.readouterr().out
+
+
 def test_console_entry_point_runs_capture(tmp_path):
     # the installed module entry (python -m graphctl.cli) with the built-in engine, as the README runs it
     j = tmp_path / "r.json"
