@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
 
-from graphctl.graphs.nodes import Node, Region, census
+from graphctl.graphs.nodes import Node, Region, census, flatten
 from graphctl.state.spec import DEFAULT_READERS
 
 if TYPE_CHECKING:
@@ -121,20 +121,19 @@ class AddressMap:
 
 
 def allocator_regions(device: torch.device, pool: Any) -> list[Region]:
-    """The caching allocator's segments on ``device``: those of ``pool`` (a graph pool id) as
-    one ``pool`` region each, every other block as ``live`` or ``freed``. Where the snapshot
-    does not know ``pool``'s id, every private pool's segments count as pool."""
+    """The caching allocator's segments on ``device``: every private pool's segments as ``pool``
+    regions (``pool``'s own, or another graph's, such as a device loop body's pool), every block
+    of the default pool as ``live`` or ``freed``."""
     regions = []
-    segments = [s for s in torch.cuda.memory_snapshot() if s["device"] == device.index]
     pool_id = tuple(pool) if pool is not None else None
-    ids = {tuple(s.get("segment_pool_id") or (0, 0)) for s in segments}
-    if pool_id not in ids:  # the snapshot names pools differently: every private pool is a graph's
-        pool_id = None
-    for seg in segments:
+    for seg in torch.cuda.memory_snapshot():
+        if seg["device"] != device.index:
+            continue
         start = int(seg["address"])
         sid = tuple(seg.get("segment_pool_id") or (0, 0))
-        if sid == pool_id or (pool_id is None and sid != (0, 0)):
-            regions.append(Region("graph pool", "pool", start, start + int(seg["total_size"])))
+        if sid != (0, 0):
+            name = "graph pool" if sid == pool_id else f"private pool {sid}"
+            regions.append(Region(name, "pool", start, start + int(seg["total_size"])))
             continue
         at = start
         for blk in seg["blocks"]:
@@ -198,8 +197,9 @@ def audit_graph(runner: "GraphRunner", bucket: int, params: Any = None) -> Audit
         refreshed |= set(plan.closure(refreshed))
     usage: dict[str, dict[str, str]] = {s.name: {} for s in runner.segments(bucket)}
     reported: set[tuple] = set()
-    for node in nodes:
-        seg = seg_of.get(node.index, "target")
+    for node, at in flatten(nodes):
+        top = int(at.split("/")[0])
+        seg = seg_of.get(top, "target")  # a body's nodes belong to their parent's segment
         for ref in node.refs:
             hit = amap.lookup(ref.address)
             kind = hit[0].kind if hit else "unknown"
@@ -209,17 +209,18 @@ def audit_graph(runner: "GraphRunner", bucket: int, params: Any = None) -> Audit
             if hit is None or node.graphctl:
                 continue
             region, off = hit
-            key = (node.index, region.name)
+            key = (at, region.name)
+            where = ref.where if at == str(top) else f"body node {at}, {ref.where}"
             if kind == "freed" and key not in reported:
                 reported.add(key)
                 findings.append(Finding("error", "dangling", region.name, seg, node.name,
                                         f"{node.kind} uses {ref.address:#x} (+{off}) in memory freed since capture: "
-                                        "a temporary allocated outside the graph's pool", node.index, ref.where))
+                                        "a temporary allocated outside the graph's pool", top, where))
             elif kind == "live" and key not in reported:
                 reported.add(key)
                 findings.append(Finding("warning", "unregistered", region.name, seg, node.name,
                                         f"{node.kind} uses {ref.address:#x} (+{off}) in a live allocation nobody "
-                                        "registered (pass model tensors as params=)", node.index, ref.where))
+                                        "registered (pass model tensors as params=)", top, where))
             elif kind == "buffer":
                 used = usage.setdefault(seg, {})
                 first = region.name not in used
@@ -227,7 +228,7 @@ def audit_graph(runner: "GraphRunner", bucket: int, params: Any = None) -> Audit
                 if first and _role(seg) == "target" and region.name in refreshed:
                     findings.append(Finding("error", "refreshed-in-target", region.name, seg, node.name,
                                             f"target-role {node.kind} touches a buffer refreshed in place before "
-                                            "replay", node.index, ref.where))
+                                            "replay", top, where))
     if state is not None:
         for n, d in state.plan.buffers.items():
             if d.stable or d.host or d.readers == DEFAULT_READERS:

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphctl.errors import CaptureError
 from graphctl.graphs.features import cuda_bindings
+from graphctl.graphs.nodes import register_bodies
 from graphctl.state.phase import is_recording
 
 __all__ = ["DeviceLoop"]
@@ -175,4 +176,5 @@ class DeviceLoop:
                        "cannot (event nodes from NCCL or external events, allocation nodes, host callbacks); keep "
                        "the body to kernels and copies on its stream, or use mode='unrolled' or 'per_step'")
         _check_body(rt, body_graph)
+        register_bodies(int(node), [int(body_graph)])  # so the audit and the census see the body's nodes
         self.nodes_spliced += 1

@@ -27,7 +27,7 @@ import dataclasses
 import re
 from typing import Sequence
 
-__all__ = ["Ref", "Node", "Region", "read_cuda_nodes", "census", "dot_print", "short_name", "driver"]
+__all__ = ["Ref", "Node", "Region", "flatten", "register_bodies", "read_cuda_nodes", "census", "dot_print", "short_name", "driver"]
 
 _WORD = 8
 _MAX_PARAMS = 4096
@@ -56,6 +56,7 @@ class Node:
     library: bool = False  # arguments passed through ``extra`` (a library's packed buffer)
     refs: tuple[Ref, ...] = ()
     note: str = ""  # why something could not be read
+    body: tuple["Node", ...] = ()  # the nodes of a conditional's body or a child graph (indices within it)
 
     @property
     def graphctl(self) -> bool:
@@ -221,8 +222,43 @@ def _kind(drv, node) -> str:
 _READERS = {"kernel": _kernel, "memcpy": _memcpy, "memset": _memset}
 
 
+# Body graphs of conditional nodes graphctl spliced itself (DeviceLoop registers them): the
+# driver's generic cuGraphNodeGetParams, which would return them, needs a newer driver than 580.
+_BODIES: dict[int, tuple[int, ...]] = {}
+
+
+def register_bodies(node: int, graphs: Sequence[int]) -> None:
+    """Remember the body graphs of conditional node ``node`` (handles as ints)."""
+    _BODIES[int(node)] = tuple(int(g) for g in graphs)
+
+
+def _bodies(drv, node, h: int, kind: str) -> tuple[list[int], str]:
+    if kind == "graph":
+        ok, out = _ok(drv.cuGraphChildGraphNodeGetGraph(node))
+        return ([_int(out[0])], "") if ok else ([], "child graph not readable")
+    if h in _BODIES:
+        return list(_BODIES[h]), ""
+    try:
+        ok, out = _ok(drv.cuGraphNodeGetParams(node))
+    except Exception:  # missing from older bindings
+        ok = False
+    if ok:
+        return [_int(g) for g in out[0].conditional.phGraph_out[: int(out[0].conditional.size)]], ""
+    return [], "conditional body not readable on this driver (and not spliced by graphctl)"
+
+
+def _graph_handles(drv, graph: int) -> list[int]:
+    g = drv.CUgraph(init_value=graph)
+    ok, out = _ok(drv.cuGraphGetNodes(g, 0))
+    if not ok:
+        return []
+    ok, out = _ok(drv.cuGraphGetNodes(g, out[-1]))
+    return [_int(x) for x in out[0]] if ok else []
+
+
 def read_cuda_nodes(order: Sequence[int]) -> list[Node]:
-    """The nodes ``order`` names (``CUgraphNode`` handles as ints, in capture order)."""
+    """The nodes ``order`` names (``CUgraphNode`` handles as ints, in capture order); the
+    nodes of conditional bodies and child graphs come as each node's ``body``."""
     drv = driver()
     if drv is None:
         return []
@@ -231,15 +267,36 @@ def read_cuda_nodes(order: Sequence[int]) -> list[Node]:
         node = drv.CUgraphNode(init_value=h)
         kind = _kind(drv, node)
         read = _READERS.get(kind)
-        nodes.append(read(drv, node, i) if read else Node(i, kind, kind))
+        n = read(drv, node, i) if read else Node(i, kind, kind)
+        if kind in ("conditional", "graph"):
+            graphs, note = _bodies(drv, node, h, kind)
+            body = [x for g in graphs for x in read_cuda_nodes(_graph_handles(drv, g))]
+            n = dataclasses.replace(n, body=tuple(body), note=note)
+        nodes.append(n)
     return nodes
 
 
+def flatten(nodes: Sequence[Node]) -> list[tuple[Node, str]]:
+    """Every node with its bodies' nodes after it, each with where it sits (``"12"``,
+    ``"12/3"`` for node 3 of node 12's body)."""
+    out: list[tuple[Node, str]] = []
+
+    def walk(ns: Sequence[Node], prefix: str) -> None:
+        for n in ns:
+            at = f"{prefix}{n.index}"
+            out.append((n, at))
+            walk(n.body, at + "/")
+
+    walk(nodes, "")
+    return out
+
+
 def census(nodes: Sequence[Node]) -> dict[str, dict[str, int]]:
-    """``{"types": {kind: count}, "kernels": {name: count}}``, most frequent first."""
+    """``{"types": {kind: count}, "kernels": {name: count}}``, most frequent first (bodies of
+    conditional nodes and child graphs included)."""
     types: dict[str, int] = {}
     kernels: dict[str, int] = {}
-    for n in nodes:
+    for n, _ in flatten(nodes):
         types[n.kind] = types.get(n.kind, 0) + 1
         if n.kind in ("kernel", "op"):
             kernels[n.name] = kernels.get(n.name, 0) + 1

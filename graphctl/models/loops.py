@@ -51,6 +51,12 @@ class DynamicDraft:
         self.threshold = torch.full((1,), float(threshold), device=dev)
         self.loop = DeviceLoop(dev)
 
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The loop's own buffers by name (for the audit's ``params``)."""
+        return {"loop.counter": self.counter, "loop.active": self.active, "loop.token": self.token,
+                "loop.proposals": self.proposals, "loop.base": self.base, "loop.threshold": self.threshold,
+                "loop.flag": self.loop.flag}
+
     def set_threshold(self, value: float) -> None:
         self.threshold.fill_(float(value))
 
@@ -167,14 +173,16 @@ class PerStepLoop:
 def graphed_step(eng: MTPEngine, mode: str = "unrolled", *, buckets: Sequence[int] = (1, 2, 4, 8),
                  backend: str = "auto", threshold: float = 0.0) -> Any:
     """A callable like ``eng.step`` (``(input_ids, meta) -> StepOutput``) graphed in ``mode``;
-    ``threshold`` is the device loop's confidence threshold (``device_loop`` only)."""
+    ``threshold`` is the device loop's confidence threshold (``device_loop`` only; the returned
+    runner's ``dynamic`` is its :class:`DynamicDraft`, whose ``set_threshold`` changes it without
+    recapture). The engine's weights and caches (and the loop's buffers) are the audit's params."""
     if mode not in MODES:
         raise DeclarationError("unknown draft-loop mode", expected=" / ".join(MODES), found=mode,
                                fix="unrolled (one graph), per_step (one graph per step) or device_loop (WHILE node)")
     inputs = [StaticInput("input_ids", per_item=eng.k + 1)]
     if mode == "unrolled":
         return graphed(eng.step, buckets=list(buckets), state=eng.state, backend=backend, inputs=inputs,
-                       progress=False)
+                       progress=False, params=eng.named_tensors())
     if mode == "per_step":
         return PerStepLoop(eng, buckets, backend)
     if eng.device.type != "cuda" or backend == "emulated":
@@ -183,6 +191,6 @@ def graphed_step(eng: MTPEngine, mode: str = "unrolled", *, buckets: Sequence[in
                            fix="run on a GPU, or use mode='unrolled' or 'per_step' (both run on the emulated backend)")
     dyn = DynamicDraft(eng, threshold)
     runner = graphed(dyn.step, buckets=list(buckets), state=eng.state, backend=backend, inputs=inputs,
-                     progress=False)
+                     progress=False, params={**eng.named_tensors(), **dyn.named_tensors()})
     runner.dynamic = dyn
     return runner

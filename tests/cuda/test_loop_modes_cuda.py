@@ -35,7 +35,15 @@ def test_device_loop_graph_stops_where_its_reference_says(gen):
     f = graphed_step(eng, "device_loop", buckets=(8,), backend="cuda")
     dyn = f.dynamic
     f(ids.cuda(), eng.meta)  # capture at threshold 0
-    assert f.census(8)["types"].get("conditional") == 1, f.census(8)
+    census = f.census(8)
+    assert census["types"].get("conditional") == 1, census
+    # the loop body is read too: its draft-step kernels and the predicate are in the census
+    assert any("loop_condition" in name for name in census["kernels"]), census["kernels"]
+    loop = next(n for n in f.nodes(8) if n.kind == "conditional")
+    assert len(loop.body) > 10 and not loop.note, loop
+    audit = f.audit()[8]
+    assert not audit.findings, str(audit)
+    assert "kv_lens" in audit.usage["draft"], str(audit)  # written inside the body, attributed to draft
     seen = set()
     for t in [0.0, 1.01] + sorted(set(conf.flatten().tolist())):
         dyn.set_threshold(t)  # a device scalar: the same graph, no recapture
