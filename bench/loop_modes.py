@@ -81,7 +81,8 @@ def main() -> int:
             t = latencies_us({m: (lambda f=f: f(ids, eng.meta)) for m, f in fns.items()}, a.reps)
             # dynamic length: the threshold whose expected stop is closest to half of k (rounded up)
             conf = confidences(eng, ids)
-            cands = sorted(set(conf.flatten().tolist()))
+            vals = sorted(set(conf.flatten().tolist()))  # midpoints: a threshold equal to a probability could flip
+            cands = [(x + y) / 2 for x, y in zip(vals, vals[1:]) if y - x > 2e-3] or [0.0]
             thr = min(cands, key=lambda c: (abs(expected_steps(conf, c) - (k + 1) // 2), c))
             dyn = fns["device_loop"].dynamic
             dyn.set_threshold(thr)

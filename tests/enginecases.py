@@ -80,3 +80,12 @@ def expected_dynamic(drafts: torch.Tensor, conf: torch.Tensor, threshold: float)
     steps = int(min(k, 1 + int(lead.max())))
     valid = torch.clamp(1 + lead, max=steps)
     return steps, torch.where(torch.arange(k)[None, :] < valid[:, None], drafts, torch.zeros_like(drafts))
+
+
+def thresholds(conf: torch.Tensor, margin: float = 1e-3) -> list[float]:
+    """Planted thresholds: 0, 1.01 and the midpoints between the step's distinct draft
+    probabilities, each at least ``margin`` from every probability (a threshold equal to one
+    would let rounding in the graph's kernels, which may differ from eager's, flip the stop)."""
+    vals = sorted(set(conf.flatten().tolist()))
+    mids = [(a + b) / 2 for a, b in zip(vals, vals[1:]) if b - a > 2 * margin]
+    return [0.0, 1.01] + mids

@@ -15,8 +15,8 @@ caching allocator's blocks outside the pool.
 - **warning** ``unregistered``: an address in a live allocator block that nobody registered.
   Often a model weight not passed as ``params=``. Blocks that the runner's eager warmup
   allocated and kept (cuBLAS workspaces, other lazily created library state) and live memory
-  in a library launch (arguments passed through ``extra``) are ``workspace``: counted, not
-  reported.
+  in a CUDA library's kernel (arguments packed in ``extra``, or a cuBLAS/cuDNN/CUTLASS kernel
+  name, ``nodes.LIBRARY_KERNEL_PREFIXES``) are ``workspace``: counted, not reported.
 - Addresses in no known memory (sizes that look like pointers, TMA descriptor fields, memory
   from ``cudaMalloc`` outside torch) are counted as ``unknown``.
 

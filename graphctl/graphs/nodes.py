@@ -27,7 +27,7 @@ import dataclasses
 import re
 from typing import Sequence
 
-__all__ = ["Ref", "Node", "Region", "flatten", "register_bodies", "read_cuda_nodes", "census", "dot_print", "short_name", "driver"]
+__all__ = ["Ref", "Node", "Region", "flatten", "register_bodies", "is_library_kernel", "LIBRARY_KERNEL_PREFIXES", "read_cuda_nodes", "census", "dot_print", "short_name", "driver"]
 
 _WORD = 8
 _MAX_PARAMS = 4096
@@ -53,7 +53,7 @@ class Node:
     symbol: str = ""  # the mangled kernel symbol, when there is one
     launch: str = ""  # "grid 4x1x1 block 128x1x1 smem 0", "1024 B", ...
     param_sizes: tuple[int, ...] = ()
-    library: bool = False  # arguments passed through ``extra`` (a library's packed buffer)
+    library: bool = False  # a CUDA library's kernel: arguments packed in ``extra``, or a library name
     refs: tuple[Ref, ...] = ()
     note: str = ""  # why something could not be read
     body: tuple["Node", ...] = ()  # the nodes of a conditional's body or a child graph (indices within it)
@@ -101,6 +101,18 @@ def _int(v) -> int:
 
 
 _NESTED = re.compile(r"(\d+)")
+
+# Kernels of the CUDA libraries torch calls (cuBLAS, cuBLASLt, cuDNN, CUTLASS-based GEMMs): their
+# arguments also carry the library's own workspace, which torch allocates once through its
+# caching allocator, outside any graph pool, possibly before the runner's warmup. Seen on an H100:
+# cuBLASLt's split-K reduction (``cublasLt::splitKreduce_kernel``) takes it as a plain argument.
+LIBRARY_KERNEL_PREFIXES = ("cublas", "nvjet", "cutlass", "cudnn", "xmma", "sm80_", "sm90_", "sm100_", "gemv",
+                           "gemmk", "gemmSN", "ampere_", "hopper_")
+
+
+def is_library_kernel(short: str) -> bool:
+    """Whether a kernel's short name is one of a CUDA library's (see ``LIBRARY_KERNEL_PREFIXES``)."""
+    return short.startswith(LIBRARY_KERNEL_PREFIXES)
 
 
 def short_name(symbol: str) -> str:
@@ -179,8 +191,9 @@ def _kernel(drv, node, index: int) -> Node:
             refs += _words(ctypes.string_at(buf, size), "extra")
         else:
             note = "extra launch without a readable argument buffer"
-    return Node(index, "kernel", short_name(symbol) if symbol else "?", symbol, launch, tuple(sizes),
-                library=bool(extra) and not kp, refs=tuple(refs), note=note)
+    short = short_name(symbol) if symbol else "?"
+    return Node(index, "kernel", short, symbol, launch, tuple(sizes),
+                library=(bool(extra) and not kp) or is_library_kernel(short), refs=tuple(refs), note=note)
 
 
 def _memcpy(drv, node, index: int) -> Node:

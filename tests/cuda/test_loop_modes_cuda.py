@@ -11,7 +11,7 @@ import graphctl
 from graphctl import CaptureError, StaticInput
 from graphctl.graphs.conditional import DeviceLoop
 from graphctl.models import DynamicDraft, graphed_step
-from enginecases import acceptance, draft_confidences, dynamic_setup, expected_dynamic, trace
+from enginecases import acceptance, draft_confidences, dynamic_setup, expected_dynamic, thresholds, trace
 
 pytestmark = pytest.mark.cuda
 
@@ -45,7 +45,7 @@ def test_device_loop_graph_stops_where_its_reference_says(gen):
     assert not audit.findings, str(audit)
     assert "kv_lens" in audit.usage["draft"], str(audit)  # written inside the body, attributed to draft
     seen = set()
-    for t in [0.0, 1.01] + sorted(set(conf.flatten().tolist())):
+    for t in thresholds(conf):
         dyn.set_threshold(t)  # a device scalar: the same graph, no recapture
         out = f(ids.cuda(), eng.meta)
         steps, props = expected_dynamic(drafts, conf, t)

@@ -9,7 +9,7 @@ import torch
 
 from graphctl import CaptureError, DeclarationError
 from graphctl.models import DynamicDraft, graphed_step
-from enginecases import acceptance, draft_confidences, dynamic_setup, expected_dynamic, trace
+from enginecases import acceptance, draft_confidences, dynamic_setup, expected_dynamic, thresholds, trace
 
 
 @pytest.mark.parametrize("k,bs", [(1, 3), (3, 5), (7, 8)])
@@ -28,7 +28,7 @@ def test_device_loop_stops_where_its_reference_says(gen):
     eng, ids = dynamic_setup(k=5, bs=6, seed=seed)
     drafts, conf = draft_confidences(eng, ids)
     dyn = DynamicDraft(eng)
-    candidates = [0.0, 1.01] + sorted(set(conf.flatten().tolist()))
+    candidates = thresholds(conf)
     seen_steps = set()
     for t in candidates:
         dyn.set_threshold(t)

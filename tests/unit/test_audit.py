@@ -91,6 +91,16 @@ def test_address_map_prefers_the_most_specific_region():
     assert amap.lookup(20_000) is None
 
 
+def test_library_kernels_are_recognised_by_name():
+    # Regression: cuBLASLt's split-K reduction takes the cuBLAS workspace as a plain argument (H100):
+    # live memory in it is the library's workspace, not an unregistered tensor.
+    from graphctl.graphs.nodes import is_library_kernel
+
+    assert is_library_kernel("cublasLt::splitKreduce_kernel") and is_library_kernel("nvjet_sm90_tst_128x64")
+    assert not is_library_kernel("at::native::vectorized_elementwise_kernel")
+    assert not is_library_kernel("graphctl::_GLOBAL__N_1::swap_copy_kernel") and not is_library_kernel("triton_poi_0")
+
+
 @pytest.mark.parametrize("symbol,short", [
     ("_ZN2at6native29vectorized_elementwise_kernelILi4ENS0_11FillFunctorIfEESt5arrayIPcLm1EEEEviT0_T1_",
      "at::native::vectorized_elementwise_kernel"),
