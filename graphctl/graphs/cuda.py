@@ -24,7 +24,7 @@ import torch
 from graphctl.errors import CaptureError
 from graphctl.state.phase import capture_invalidated
 
-__all__ = ["CudaBackend", "CudaGraph", "graph_nodes", "node_count", "capturing_node_count", "refuse_nested_capture"]
+__all__ = ["CudaBackend", "CudaGraph", "graph_nodes", "capturing_nodes", "refuse_nested_capture"]
 
 
 def _rt():
@@ -47,12 +47,6 @@ def graph_nodes(raw_graph: int) -> list[int] | None:
     return [int(x) for x in nodes[:int(n)]] if int(err) == 0 else None
 
 
-def node_count(raw_graph: int) -> int | None:
-    """Nodes in a ``cudaGraph_t`` (None without cuda-bindings)."""
-    nodes = graph_nodes(raw_graph)
-    return None if nodes is None else len(nodes)
-
-
 def capturing_nodes(stream: torch.cuda.Stream) -> list[int] | None:
     """The node handles recorded so far by the capture running on ``stream``."""
     rt = _rt()
@@ -62,12 +56,6 @@ def capturing_nodes(stream: torch.cuda.Stream) -> list[int] | None:
     if int(err) != 0 or graph is None:
         return None
     return graph_nodes(int(graph))
-
-
-def capturing_node_count(stream: torch.cuda.Stream) -> int:
-    """Nodes recorded so far by the capture running on ``stream`` (-1 when unknown)."""
-    nodes = capturing_nodes(stream)
-    return -1 if nodes is None else len(nodes)
 
 
 class _NodeOrder:

@@ -145,10 +145,6 @@ class EmulatedGraph:
                     for i, t in op.fresh:
                         t.copy_(flat[i])
 
-    def recorded_ops(self) -> list[tuple]:
-        """``(op, args, kwargs)`` of every recorded op, in order."""
-        return [(op.func, op.args, op.kwargs) for op in self._ops]
-
     def op_names(self) -> list[str]:
         return [op.func._schema.name for op in self._ops]
 

@@ -260,15 +260,6 @@ def _bodies(drv, node, h: int, kind: str) -> tuple[list[int], str]:
     return [], "conditional body not readable on this driver (and not spliced by graphctl)"
 
 
-def _graph_handles(drv, graph: int) -> list[int]:
-    g = drv.CUgraph(init_value=graph)
-    ok, out = _ok(drv.cuGraphGetNodes(g, 0))
-    if not ok:
-        return []
-    ok, out = _ok(drv.cuGraphGetNodes(g, out[-1]))
-    return [_int(x) for x in out[0]] if ok else []
-
-
 def read_cuda_nodes(order: Sequence[int]) -> list[Node]:
     """The nodes ``order`` names (``CUgraphNode`` handles as ints, in capture order); the
     nodes of conditional bodies and child graphs come as each node's ``body``."""
@@ -283,7 +274,9 @@ def read_cuda_nodes(order: Sequence[int]) -> list[Node]:
         n = read(drv, node, i) if read else Node(i, kind, kind)
         if kind in ("conditional", "graph"):
             graphs, note = _bodies(drv, node, h, kind)
-            body = [x for g in graphs for x in read_cuda_nodes(_graph_handles(drv, g))]
+            from graphctl.graphs.cuda import graph_nodes  # the one lister of a graph's node handles
+
+            body = [x for g in graphs for x in read_cuda_nodes(graph_nodes(g) or [])]
             n = dataclasses.replace(n, body=tuple(body), note=note)
         nodes.append(n)
     return nodes
