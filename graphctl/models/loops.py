@@ -131,8 +131,8 @@ class PerStepLoop:
 
     def _layout(self, b: int) -> torch.Tensor:
         """Eagerly, in the draft role: one token a request; the first step's ``kv_lens``."""
-        st, acc, _ = self.eng.state, *self.head.outputs(b)
-        return self.eng.draft_layout(acc, st.write)
+        accepted = self.head.outputs(b)[0]  # the bucket's static acceptance (padding rows included)
+        return self.eng.draft_layout(accepted, self.eng.state.write)
 
     def capture_all(self, input_ids: torch.Tensor, meta: Any) -> "PerStepLoop":
         eng, st = self.eng, self.eng.state
