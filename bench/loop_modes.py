@@ -30,25 +30,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from draft_loop import latencies_us  # noqa: E402  (the interleaved timer both benchmarks share)
 
-from graphctl.models import MODES, EngineConfig, MTPEngine, graphed_step  # noqa: E402
-
-
-def confidences(eng: MTPEngine, ids: torch.Tensor) -> torch.Tensor:
-    """Each draft step's top probability per request, from an eager full-length draft loop."""
-    accepted, bonus = eng.target_and_accept(ids)
-    st, cs, token = eng.state, [], bonus
-    with st.switch("draft"):
-        base = eng.draft_begin(ids, accepted, st.write)
-        for i in range(eng.k):
-            logits = eng.draft_step(token, base + i, st.write)
-            token = logits.argmax(-1)
-            cs.append(torch.softmax(logits.float(), -1).amax(-1))
-    return torch.stack(cs, 1).cpu()
+from graphctl.models import MODES, EngineConfig, MTPEngine, draft_confidences, expected_dynamic, graphed_step  # noqa: E402
 
 
 def expected_steps(conf: torch.Tensor, t: float) -> int:
-    lead = (conf >= t).long().cumprod(1).sum(1)
-    return int(min(conf.shape[1], 1 + int(lead.max())))
+    return expected_dynamic(torch.zeros(conf.shape, dtype=torch.int64), conf, t)[0]
 
 
 def main() -> int:
@@ -80,7 +66,7 @@ def main() -> int:
             ok &= all(same.values())
             t = latencies_us({m: (lambda f=f: f(ids, eng.meta)) for m, f in fns.items()}, a.reps)
             # dynamic length: the threshold whose expected stop is closest to half of k (rounded up)
-            conf = confidences(eng, ids)
+            conf = draft_confidences(eng, ids)[1]
             vals = sorted(set(conf.flatten().tolist()))  # midpoints: a threshold equal to a probability could flip
             cands = [(x + y) / 2 for x, y in zip(vals, vals[1:]) if y - x > 2e-3] or [0.0]
             thr = min(cands, key=lambda c: (abs(expected_steps(conf, c) - (k + 1) // 2), c))

@@ -57,31 +57,6 @@ def dynamic_setup(k: int, bs: int, seed: int, device="cpu", max_seqs: int = 8):
     return eng, ids
 
 
-def draft_confidences(eng, ids):
-    """The draft loop run eagerly at full length: each step's draft token and its probability."""
-    accepted, bonus = eng.target_and_accept(ids)
-    st = eng.state
-    with st.switch("draft"):
-        base = eng.draft_begin(ids, accepted, st.write)
-        token, ds, cs = bonus, [], []
-        for i in range(eng.k):
-            logits = eng.draft_step(token, base + i, st.write)
-            token = logits.argmax(-1)
-            ds.append(token)
-            cs.append(torch.softmax(logits.float(), -1).amax(-1))
-    return torch.stack(ds, 1).cpu(), torch.stack(cs, 1).cpu()
-
-
-def expected_dynamic(drafts: torch.Tensor, conf: torch.Tensor, threshold: float) -> tuple[int, torch.Tensor]:
-    """What a device loop with ``threshold`` must do: the steps it takes (it stops once no
-    request is active, at most k) and its proposals (0 past each request's last active step)."""
-    k = drafts.shape[1]
-    lead = (conf >= threshold).long().cumprod(1).sum(1)  # leading steps above the threshold
-    steps = int(min(k, 1 + int(lead.max())))
-    valid = torch.clamp(1 + lead, max=steps)
-    return steps, torch.where(torch.arange(k)[None, :] < valid[:, None], drafts, torch.zeros_like(drafts))
-
-
 def thresholds(conf: torch.Tensor, margin: float = 1e-3) -> list[float]:
     """Planted thresholds: 0, 1.01 and the midpoints between the step's distinct draft
     probabilities, each at least ``margin`` from every probability (a threshold equal to one

@@ -30,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphctl.errors import CaptureError
+from graphctl.graphs.cuda import graph_nodes
 from graphctl.graphs.features import cuda_bindings
 from graphctl.graphs.nodes import register_bodies
 from graphctl.state.phase import is_recording
@@ -63,9 +64,7 @@ class _BodyGuard(TorchDispatchMode):
 
 
 def _check_body(rt, body_graph) -> None:
-    err, _, n = rt.cudaGraphGetNodes(body_graph, 0)
-    err, nodes, n = rt.cudaGraphGetNodes(body_graph, n)
-    for node in nodes[:int(n)]:
+    for node in graph_nodes(int(body_graph)) or []:
         err, kind = rt.cudaGraphNodeGetType(node)
         why = _FORBIDDEN.get(kind.name) if int(err) == 0 else None
         if why:

@@ -159,17 +159,9 @@ class CudaBackend:
 
     def live_blocks(self) -> set[tuple[int, int]]:
         """``(address, size)`` of the allocator's live blocks outside graph pools on this device."""
-        out = set()
-        for seg in torch.cuda.memory_snapshot():
-            if seg["device"] != self.device.index or tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0):
-                continue
-            at = int(seg["address"])
-            for blk in seg["blocks"]:
-                addr = int(blk.get("address", at))
-                if blk["state"].startswith("active"):
-                    out.add((addr, int(blk["size"])))
-                at = addr + int(blk["size"])
-        return out
+        from graphctl.graphs.audit import allocator_regions  # the one walker of the allocator's snapshot
+
+        return {(r.start, r.end - r.start) for r in allocator_regions(self.device, None) if r.kind == "live"}
 
     def warmup(self, body: Callable[[], Any]) -> Any:
         # Warm up on the capture stream: allocator blocks and library handles warmed here are the

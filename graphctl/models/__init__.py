@@ -1,6 +1,7 @@
 """Reference models: the one-model MTP engine that graphctl is proven on (and the CLI's
 built-in default). Imports ``backends`` and ``state``; ``graphs`` wraps its step."""
-from graphctl.models.loops import MODES, DynamicDraft, PerStepLoop, graphed_step
+from graphctl.models.loops import MODES, DynamicDraft, PerStepLoop, draft_confidences, expected_dynamic, graphed_step
 from graphctl.models.mtp import EngineConfig, MTPEngine, StepOutput
 
-__all__ = ["EngineConfig", "MTPEngine", "StepOutput", "MODES", "graphed_step", "DynamicDraft", "PerStepLoop"]
+__all__ = ["EngineConfig", "MTPEngine", "StepOutput", "MODES", "graphed_step", "DynamicDraft", "PerStepLoop",
+           "draft_confidences", "expected_dynamic"]

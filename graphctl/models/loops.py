@@ -29,7 +29,7 @@ from graphctl.graphs import GraphRunner, StaticInput, graphed, select_backend
 from graphctl.graphs.conditional import DeviceLoop
 from graphctl.models.mtp import MTPEngine, StepOutput
 
-__all__ = ["MODES", "graphed_step", "DynamicDraft", "PerStepLoop"]
+__all__ = ["MODES", "graphed_step", "DynamicDraft", "PerStepLoop", "draft_confidences", "expected_dynamic"]
 
 MODES = ("unrolled", "per_step", "device_loop")
 
@@ -89,6 +89,32 @@ class DynamicDraft:
             self.loop.run(body, predicate, eng.k)
             drafts = props.clone()
         return StepOutput(accepted, bonus, drafts)
+
+
+def draft_confidences(eng: MTPEngine, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device loop's reference: the draft loop run eagerly at full length; each step's
+    draft token and its probability, ``[n, k]`` each, on the CPU."""
+    accepted, bonus = eng.target_and_accept(ids)
+    st = eng.state
+    with st.switch("draft"):
+        base = eng.draft_begin(ids, accepted, st.write)
+        token, ds, cs = bonus, [], []
+        for i in range(eng.k):
+            logits = eng.draft_step(token, base + i, st.write)
+            token = logits.argmax(-1)
+            ds.append(token)
+            cs.append(torch.softmax(logits.float(), -1).amax(-1))
+    return torch.stack(ds, 1).cpu(), torch.stack(cs, 1).cpu()
+
+
+def expected_dynamic(drafts: torch.Tensor, conf: torch.Tensor, threshold: float) -> tuple[int, torch.Tensor]:
+    """What a device loop with ``threshold`` must do: the steps it takes (it stops once no
+    request is active, at most k) and its proposals (0 past each request's last active step)."""
+    k = drafts.shape[1]
+    lead = (conf >= threshold).long().cumprod(1).sum(1)  # leading steps above the threshold
+    steps = int(min(k, 1 + int(lead.max())))
+    valid = torch.clamp(1 + lead, max=steps)
+    return steps, torch.where(torch.arange(k)[None, :] < valid[:, None], drafts, torch.zeros_like(drafts))
 
 
 class PerStepLoop:

@@ -10,8 +10,8 @@ import torch
 import graphctl
 from graphctl import CaptureError, StaticInput
 from graphctl.graphs.conditional import DeviceLoop
-from graphctl.models import DynamicDraft, graphed_step
-from enginecases import acceptance, draft_confidences, dynamic_setup, expected_dynamic, thresholds, trace
+from graphctl.models import DynamicDraft, draft_confidences, expected_dynamic, graphed_step
+from enginecases import acceptance, dynamic_setup, thresholds, trace
 
 pytestmark = pytest.mark.cuda
 

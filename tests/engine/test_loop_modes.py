@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from graphctl import CaptureError, DeclarationError
-from graphctl.models import DynamicDraft, graphed_step
-from enginecases import acceptance, draft_confidences, dynamic_setup, expected_dynamic, thresholds, trace
+from graphctl.models import DynamicDraft, draft_confidences, expected_dynamic, graphed_step
+from enginecases import acceptance, dynamic_setup, thresholds, trace
 
 
 @pytest.mark.parametrize("k,bs", [(1, 3), (3, 5), (7, 8)])
