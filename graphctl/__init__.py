@@ -3,7 +3,7 @@ capture and replay of speculative-decoding draft forwards.
 
 The public surface is exactly ``__all__``; everything else is internal."""
 from graphctl import debug, ops
-from graphctl.errors import (BindError, CaptureError, CorruptedStateError, DeclarationError, GraphctlError,
+from graphctl.errors import (BindError, CaptureError, ConcurrentUseError, CorruptedStateError, DeclarationError, GraphctlError,
                              NestedSwitchError, ReplayError, StaleBufferError, SwitchError)
 from graphctl.graphs import CaptureTarget, GraphRunner, Report, StaticInput, graphed
 from graphctl.state import BoundState, CopyInPlace, Pad, Recompute, Registry, Stable, StateSpec, Swap, bind, register
@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 __all__ = [
     "StateSpec", "register", "bind", "BoundState", "Registry",
     "Swap", "CopyInPlace", "Recompute", "Stable", "Pad",
-    "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError",
+    "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError", "ConcurrentUseError",
     "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
     "graphed", "GraphRunner", "StaticInput", "Report", "CaptureTarget",
     "debug", "ops", "__version__",

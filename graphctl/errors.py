@@ -5,7 +5,9 @@ what was expected, what was found, and how to fix it. All of them pickle.
 - :class:`DeclarationError`: a spec contradicts itself (raised by ``StateSpec``/``register``).
 - :class:`BindError`: a live object does not match its spec (raised by ``bind``).
 - :class:`SwitchError`: a bad use of a bound state (``switch``, ``write``, ``pad``).
-- :class:`NestedSwitchError`: a switch entered while another is active on the same state.
+- :class:`NestedSwitchError`: a switch entered while another is active on the same state, or a
+  switch/write issued from inside a callable graphctl is running (a ``Recompute`` fn, a source).
+- :class:`ConcurrentUseError`: a second thread used a state that another thread's switch owns.
 - :class:`CorruptedStateError`: a restore failed; the state is poisoned and refuses all use.
 - :class:`StaleBufferError`: a derived buffer no longer equals ``fn(inputs)``.
 - :class:`CaptureError`: a graph could not be captured; nothing replayable was kept.
@@ -16,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError",
-           "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError"]
+           "ConcurrentUseError", "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError"]
 
 _MISSING = object()
 
@@ -68,6 +70,11 @@ class SwitchError(GraphctlError):
 
 class NestedSwitchError(SwitchError):
     """A switch was entered on a state that already has an active switch."""
+
+
+class ConcurrentUseError(SwitchError):
+    """Another thread owns the state (an active switch, a write or a pad); nothing was changed.
+    A bound state serves one thread at a time: bind one state per thread, or serialize."""
 
 
 class CorruptedStateError(GraphctlError):

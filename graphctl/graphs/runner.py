@@ -433,9 +433,11 @@ class GraphRunner(Inspection):
             return self._unservable(args, kwargs, err)
         bucket = self.buckets.pick(agreed)
         cap = self._graphs[bucket]
-        self._load(lives, n, bucket)
-        if not cap.checked or knobs.check_manifest:
+        if self.state is not None:
+            self.state.check_usable()  # a poisoned state never replays, with or without a refresh
+        if not cap.checked or knobs.check_manifest:  # before loading: never pad into a moved buffer
             self._check_manifest(cap)
+        self._load(lives, n, bucket)
         self._replay(cap)
         return cap.outputs(n)
 

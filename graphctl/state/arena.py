@@ -1,17 +1,19 @@
 """Snapshot arenas and copy groups: the storage a switch snapshots into, allocated once at bind.
 
 One flat, 64-byte-aligned allocation per device holds a slot for every buffer any phase
-snapshots (pinned when it is host memory of a CUDA state). Phases that never overlap share the
-``main`` slots; a nesting phase (``refresh``, open while a graph that recorded a ``capture``
-switch replays) has slots of its own. A :class:`Group` is one phase's buffers on one device:
-one fused op per direction."""
+snapshots (pinned when it is host memory of a CUDA state). Every phase has slots of its own:
+a ``replay`` or ``refresh`` switch is open while a graph that recorded a ``capture`` switch
+replays, and an eager switch may wrap a replay too, so shared slots would let the inner
+snapshot overwrite the outer one. The ``write`` family holds the undo copy of
+``BoundState.write``/``pad``. A :class:`Group` is one phase's buffers on one device: one fused
+op per direction."""
 from __future__ import annotations
 
 from typing import Mapping
 
 import torch
 
-from graphctl.state.plan import NESTING_PHASES, PHASES, Plan
+from graphctl.state.plan import PHASES, Plan
 from graphctl.state.spec import CopyInPlace
 
 __all__ = ["Group", "allocate_arenas", "make_groups"]
@@ -34,12 +36,11 @@ class Group:
 
 def allocate_arenas(plan: Plan, tensors: Mapping[str, torch.Tensor],
                     state_device: torch.device) -> dict[tuple[str, str], torch.Tensor]:
-    """Snapshot slots keyed ``(family, name)``: phases that never overlap share the ``main``
-    family; a nesting phase (``refresh``) has its own, see ``plan.NESTING_PHASES``."""
+    """Snapshot slots keyed ``(family, name)``: one family per phase, plus ``write``."""
     names: list[tuple[str, str]] = []
     for p in PHASES:
-        fam = p if p in NESTING_PHASES else "main"
-        names.extend((fam, n) for n in plan.phases[p].snapshot if (fam, n) not in names)
+        names.extend((p, n) for n in plan.phases[p].snapshot)
+    names.extend(("write", n) for n, d in plan.buffers.items() if not d.stable)
     by_dev: dict[torch.device, list[tuple[str, str]]] = {}
     for key in names:
         by_dev.setdefault(tensors[key[1]].device, []).append(key)
@@ -68,7 +69,7 @@ def make_groups(plan: Plan, phase: str, tensors: Mapping[str, torch.Tensor],
     for n in pp.snapshot:
         by_dev.setdefault(tensors[n].device, []).append(n)
     groups = []
-    fam = phase if phase in NESTING_PHASES else "main"
+    fam = phase
     for dev, names in by_dev.items():
         cps = tuple((i, n, copies[n]) for i, n in enumerate(names) if n in copies)
         groups.append(Group(dev, tuple(names), tuple(tensors[n] for n in names),

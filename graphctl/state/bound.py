@@ -17,13 +17,16 @@ restore poisons the state: every later use raises ``CorruptedStateError``.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from graphctl import ops
-from graphctl.errors import BindError, CorruptedStateError, StaleBufferError, SwitchError
+from graphctl.errors import (BindError, ConcurrentUseError, CorruptedStateError, NestedSwitchError, StaleBufferError,
+                             SwitchError)
 from graphctl.state.arena import Group, allocate_arenas, make_groups
+from graphctl.state.interrupts import deferred
 from graphctl.state.phase import resolve_phase
 from graphctl.state.plan import PHASES, Plan, compile_spec
 from graphctl.state.registry import Registry, default_registry
@@ -61,9 +64,21 @@ class BoundState:
     - Declared buffers are dense, on one device (``host=True`` ones on the CPU, pinned when
       that device is CUDA), disjoint in memory except declared aliases, and never rebound or
       reallocated after ``bind``; call ``bind`` again after reallocating.
-    - One switch at a time per state; a nested ``switch`` raises ``NestedSwitchError``.
-    - Inside a switch, only ``mutable`` buffers may be written: anything else could not be
-      restored.
+    - One switch at a time per state; a nested ``switch`` raises ``NestedSwitchError``, and so
+      does a ``switch``, ``write``, ``pad`` or ``check`` issued from inside a ``Recompute`` fn
+      or a ``CopyInPlace`` source that graphctl is running.
+    - One thread at a time: while a switch (or a ``write``/``pad``) of one thread owns the
+      state, another thread's use raises ``ConcurrentUseError`` (it never waits, and never
+      corrupts). Bind one state per thread, or serialize the calls.
+    - A switch restores every declared buffer except ``Stable`` scratch (and the originals a
+      ``Swap`` unbinds), whoever wrote it: graphctl, the user or the forward's own kernels.
+      Inside a switch, only ``mutable`` buffers may be written with ``write``.
+    - ``write`` and ``pad`` are all-or-nothing: checked first, then applied with an undo copy;
+      a recompute that raises rolls every written buffer back.
+    - A ``KeyboardInterrupt`` arriving while a switch, ``write`` or ``pad`` changes state is
+      held until the state is consistent again, then raised (``graphctl.state.interrupts``).
+    - A bound state cannot be copied or pickled (``SwitchError``): its snapshot slots and its
+      ownership belong to one object. Copy the metadata object and ``bind`` the copy.
     - Recompute functions and callable copy sources must be capturable (no host sync, no
       allocation) for the ``capture`` phase to be; graphctl's own work is.
     - Host buffers are copied on the host even in the ``capture`` phase: a graph never
@@ -75,6 +90,11 @@ class BoundState:
         self.plan = plan
         self.dims: dict[str, int] = dict(dims or {})
         self._active: Switch | None = None
+        self._lock = threading.Lock()  # held by the switch (or write/pad) that owns the state
+        self._owner: int | None = None  # thread id of that owner
+        self._in_user: str | None = None  # the user callable graphctl is running, if any
+        self._expect: dict[str | None, tuple[tuple[str, Any], ...]] = {}
+        self._write_groups: dict[tuple[str | None, str], tuple[tuple[str, ...], list, list]] = {}
         self._poisoned: tuple[str, ...] | None = None
         self._fault_hook: FaultHook | None = None
         self._observers: list[Callable[[str, str, str], None]] = []
@@ -86,11 +106,32 @@ class BoundState:
         self.device = torch.device("cpu")
         self._validate()
         self._manifest = tuple(list(self._tensors.items()) + list(self._objects.items()))
+        self._index = {n: i for i, (n, _) in enumerate(self._manifest)}
         self._aliases = self._bind_aliases()
         self._arena = allocate_arenas(self.plan, self._tensors, self.device)
         self._groups = {p: make_groups(self.plan, p, self._tensors, self._arena) for p in PHASES}
         self._padded = tuple((n, d, self._tensors[n]) for n, d in plan.buffers.items()
                              if d.axis is not None and d.derive is None and not d.stable)
+        # A fresh state is consistent: every derived buffer equals fn(inputs) from bind on.
+        for name in plan.order:
+            self._recompute(name)
+
+    # ------------------------------------------------------------------ copies, pickling
+
+    def _refuse_copy(self, how: str) -> SwitchError:
+        return SwitchError(f"a bound state cannot be {how}", buffer=None, expected="one BoundState per object",
+                           found=f"{how} of the state of {type(self.obj).__qualname__}",
+                           fix="copy the metadata object itself and graphctl.bind() the copy: snapshot slots and "
+                               "switch ownership belong to one state")
+
+    def __copy__(self) -> "BoundState":
+        raise self._refuse_copy("copied")
+
+    def __deepcopy__(self, memo: Any) -> "BoundState":
+        raise self._refuse_copy("deep-copied")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise self._refuse_copy("pickled")
 
     # ----------------------------------------------------------------- bind-time checks
 
@@ -121,6 +162,11 @@ class BoundState:
             if not t.is_contiguous():
                 raise self._err(name, "buffer is not contiguous", "a dense tensor", f"strides {t.stride()}",
                                 "allocate static buffers dense; declare views as aliases=")
+            if d.pad is not None:
+                why = d.pad.unfit(t.dtype)
+                if why is not None:
+                    raise self._err(name, "padding policy does not fit the dtype", f"values representable in {t.dtype}",
+                                    why, "pick a padding value inside the dtype's range (and integral for integers)")
             if d.host and t.device.type != "cpu":
                 raise self._err(name, "host buffer is not on the CPU", "cpu", t.device, "drop host=True or move it")
             if not d.host:
@@ -307,7 +353,8 @@ class BoundState:
                                   "(refresh is the graph runner's), auto to pick eager or capture")
         return phase
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
+        """Raise ``CorruptedStateError`` when the state is poisoned (a restore failed earlier)."""
         if self._poisoned is not None:
             raise CorruptedStateError(
                 f"state of {type(self.obj).__qualname__} is poisoned: a restore failed earlier",
@@ -315,44 +362,128 @@ class BoundState:
                 fix="rebuild the metadata object (these buffers may hold draft-state contents) and bind it again",
                 failures=self._poisoned)
 
-    def _expected_binding(self, name: str) -> Any:
-        sw = self._active
-        held = sw.resolve.get(name, name) if sw is not None else name
-        return self._tensors[held] if name in self._tensors else self._objects[held]
+    _check_usable = check_usable
+
+    def _poison(self, failures: list[tuple[str, BaseException]]) -> CorruptedStateError:
+        self._poisoned = tuple(name for name, _ in failures)
+        return CorruptedStateError(
+            "restore after the switch failed; the state is poisoned", buffer=", ".join(self._poisoned),
+            expected="every declared buffer and attribute restored",
+            found="; ".join(f"{n}: {type(e).__name__}: {e}" for n, e in failures),
+            fix="rebuild the metadata object and bind it again; later uses of this state raise",
+            failures=self._poisoned)
+
+    def _refuse_reentry(self, what: str) -> None:
+        if self._in_user is not None:
+            raise NestedSwitchError(f"{what} issued from inside {self._in_user}", buffer=None,
+                                    expected="switches and writes from the caller's code only",
+                                    found=f"a call from {self._in_user}",
+                                    fix="a Recompute fn or CopyInPlace source must only compute: it runs in the "
+                                        "middle of a switch or write, whose snapshot it would overwrite")
+
+    def _busy(self, what: str) -> ConcurrentUseError:
+        holder = f"active '{self._active.role}' switch ({self._active.phase})" if self._active else "a write or pad"
+        return ConcurrentUseError(f"{what} while another thread owns the state", buffer=None,
+                                  expected="one thread at a time per bound state",
+                                  found=f"{holder} of thread {self._owner}",
+                                  fix="bind one state per thread, or serialize the calls with a lock")
+
+    def _claim(self, sw: Switch) -> None:
+        """Make ``sw`` the state's one active switch, or raise (nothing changed)."""
+        if self._owner is not None and self._owner != threading.get_ident():
+            raise self._busy("switch")
+        self._refuse_reentry("switch")
+        self.check_usable()
+        me = threading.get_ident()
+        if not self._lock.acquire(blocking=False):
+            if self._owner == me and self._active is not None:
+                raise NestedSwitchError("switch entered while another switch is active on this state",
+                                        expected="no active switch",
+                                        found=f"active '{self._active.role}' ({self._active.phase})",
+                                        fix="exit the active switch first; one switch per state")
+            raise self._busy("switch")
+        self._owner, self._active = me, sw
+
+    def _release(self, sw: Switch) -> None:
+        if self._active is sw:
+            self._active, self._owner = None, None
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def _owned(self, what: str) -> Iterator[None]:
+        """Own the state for a write/pad: inside this thread's active switch it already is."""
+        me = threading.get_ident()
+        if self._owner == me:
+            yield
+            return
+        if not self._lock.acquire(blocking=False):
+            raise self._busy(what)
+        self._owner = me
+        try:
+            yield
+        finally:
+            self._owner = None
+            self._lock.release()
+
+    def _call_user(self, label: str, fn: Callable[..., Any], *args: Any) -> Any:
+        prev, self._in_user = self._in_user, f"{label} ({getattr(fn, '__qualname__', type(fn).__name__)})"
+        try:
+            return fn(*args)
+        finally:
+            self._in_user = prev
+
+    def _expected(self, phase: str | None) -> tuple[tuple[str, Any], ...]:
+        exp = self._expect.get(phase)
+        if exp is None:
+            resolve = self.plan.phases[phase].resolve if phase is not None else {}
+            exp = self._expect[phase] = tuple(
+                (n, self._tensors[resolve.get(n, n)] if n in self._tensors else self._objects[resolve.get(n, n)])
+                for n, _ in self._manifest)
+        return exp
 
     def _check_bindings(self, entering: str | None = None) -> None:
-        # Fast path, run on every switch: every attribute is exactly the bind-time object.
-        obj = self.obj
-        if self._active is None:
-            for name, want in self._manifest:
-                if getattr(obj, name, None) is not want:
-                    break
-            else:
-                return
+        # Fast path, run on every switch and write: every attribute is exactly what it should
+        # be now (the bind-time object, or its twin inside a switch).
+        # On entry (``entering`` set) the switch owns the state but has not swapped anything yet.
+        obj, sw = self.obj, self._active
+        phase = sw.phase if sw is not None and entering is None else None
+        for name, want in self._expected(phase):
+            if getattr(obj, name, None) is not want:
+                break
+        else:
+            return
         # Slow path: name the offender. Entering a phase that swaps X accepts X already bound to
         # its twin (a hand-written hook swapped it): the restore target stays the bind-time
-        # original, so a repeated swap can never record the twin as "the original".
+        # original, so a repeated swap can never record the twin as "the original". A tensor is
+        # accepted only as the very view that was bound: same address, shape, strides, dtype
+        # (an expand or a transpose at the same address reads other elements).
         twins = self.plan.phases[entering].resolve if entering is not None else {}
-        for name in self.plan.buffers:
-            want = self._expected_binding(name)
-            cur = getattr(obj, name, None)
-            if name in twins and cur is self._tensors[twins[name]]:
+        for name, want in self._expected(phase):
+            try:
+                cur = getattr(obj, name)
+            except AttributeError:
+                raise SwitchError("declared attribute was deleted", buffer=name, expected="the bound attribute",
+                                  found="no attribute", fix=f"do not del {type(obj).__qualname__}.{name}; set it "
+                                  "back to the bound tensor, or bind() the object again") from None
+            if name in twins and cur is (self._tensors.get(twins[name]) if name in self._tensors
+                                         else self._objects.get(twins[name])):
                 continue
-            if cur is not want and not (isinstance(cur, torch.Tensor) and cur.data_ptr() == want.data_ptr()
-                                        and cur.shape == want.shape and cur.dtype == want.dtype):
-                found = f"{tuple(cur.shape)} at {cur.data_ptr():#x}" if isinstance(cur, torch.Tensor) else type(cur).__name__
-                raise SwitchError("attribute was rebound behind graphctl's back", buffer=name,
-                                  expected=f"{tuple(want.shape)} at {want.data_ptr():#x} (bound)", found=found,
-                                  fix="static buffers must keep their address: write in place with state.write(), "
-                                      "or call graphctl.bind() again after reallocating")
-        for name in self.plan.objects:
-            cur = getattr(obj, name, None)
-            if name in twins and cur is self._objects[twins[name]]:
+            if cur is want:
                 continue
-            if cur is not self._expected_binding(name):
+            if isinstance(want, torch.Tensor):
+                if (isinstance(cur, torch.Tensor) and cur.data_ptr() == want.data_ptr() and cur.shape == want.shape
+                        and cur.stride() == want.stride() and cur.dtype == want.dtype and cur.device == want.device):
+                    continue
+                found = (f"{tuple(cur.shape)} strides {cur.stride()} at {cur.data_ptr():#x}"
+                         if isinstance(cur, torch.Tensor) else type(cur).__name__)
                 raise SwitchError("attribute was rebound behind graphctl's back", buffer=name,
-                                  expected="the object bound at bind()", found="another object",
-                                  fix="rebind through the spec (Swap) or call graphctl.bind() again")
+                                  expected=f"{tuple(want.shape)} strides {want.stride()} at {want.data_ptr():#x} "
+                                           "(bound)", found=found,
+                                  fix="static buffers must keep their address and layout: write in place with "
+                                      "state.write(), or call graphctl.bind() again after reallocating")
+            raise SwitchError("attribute was rebound behind graphctl's back", buffer=name,
+                              expected="the object bound at bind()", found="another object",
+                              fix="rebind through the spec (Swap) or call graphctl.bind() again")
 
     def _hook(self, stage: str, step: str, when: str) -> None:
         if self._fault_hook is not None:
@@ -390,6 +521,11 @@ class BoundState:
             self._step_cache[phase] = steps
         return steps
 
+    def _source(self, act: CopyInPlace) -> Any:
+        if callable(act.source):
+            return self._call_user("a CopyInPlace source", act.source, self.obj)
+        return getattr(self.obj, act.source)
+
     def _snapshot_step(self, g: Group) -> Step:
         statics, arenas = list(g.statics), list(g.arenas)
         validated: dict[int, Any] = {}  # copy index -> the source object last checked
@@ -402,7 +538,7 @@ class BoundState:
             if g.copies:
                 sources = statics.copy()
                 for i, name, act in g.copies:
-                    src = act.source(self.obj) if callable(act.source) else getattr(self.obj, act.source)
+                    src = self._source(act)
                     if validated.get(i) is not src:  # the same tensor object as last time needs no re-check
                         self._check_source(name, src, "source", use_error)
                         validated[i] = src
@@ -431,18 +567,67 @@ class BoundState:
                 setattr(obj, alias, ov)
             setattr(obj, name, original)
 
-        return Step(f"swap({name})", apply, undo)
+        return Step(f"swap({name})", apply, undo, idempotent=True)
 
     def _recompute_step(self, name: str) -> Step:
+        # its undo is the snapshot's: the derived buffer is snapshotted with everything else
         return Step(f"recompute({name})", lambda: self._recompute(name), lambda: None,
-                    recorded=self.device.type == "cuda")
+                    recorded=self.device.type == "cuda", idempotent=True)
 
     def _recompute(self, name: str, out: torch.Tensor | None = None) -> None:
         rc = self.plan.buffers[name].derive
         target = getattr(self.obj, name) if out is None else out
-        rc.fn(target, *(getattr(self.obj, i) for i in rc.inputs))
+        self._call_user(f"the Recompute fn of '{name}'", rc.fn, target, *(getattr(self.obj, i) for i in rc.inputs))
 
     # --------------------------------------------------------------------- writes, checks
+
+    def _write_group(self, names: tuple[str, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[str, ...]]:
+        """The undo copy of a write or pad: the tensors it may change, their ``write`` slots, and
+        the ``Stable`` ones among them (never cloned, so a failed write cannot roll them back)."""
+        key = (self._active.phase if self._active is not None else None, names)
+        g = self._write_groups.get(key)
+        if g is None:
+            statics, slots, stable = [], [], []
+            for n in names:
+                t = getattr(self.obj, n)
+                held = next(e for e in self._tensors if self._tensors[e] is t)
+                if self.plan.buffers[held].stable:
+                    stable.append(n)
+                    continue
+                statics.append(t)
+                slots.append(self._arena["write", held])
+            g = self._write_groups[key] = (statics, slots, tuple(stable))
+        return g
+
+    @contextlib.contextmanager
+    def _all_or_nothing(self, what: str, names: tuple[str, ...]) -> Iterator[None]:
+        """Own the state, hold interrupts, keep an undo copy of ``names``; roll back on any raise."""
+        with self._owned(what), deferred():
+            statics, slots, stable = self._write_group(names)
+            ops.copy_(slots, statics, validate=False)
+            try:
+                yield
+            except BaseException as exc:
+                failures: list[tuple[str, BaseException]] = [
+                    (n, RuntimeError("Stable buffers are never cloned, so a failed write cannot roll them back"))
+                    for n in stable]
+                try:
+                    ops.copy_(statics, slots, validate=False)
+                except BaseException as err:
+                    failures.append((f"{what} rollback", err))
+                if failures:
+                    self._poison(failures)
+                    exc.add_note(f"graphctl: {what} could not be rolled back fully; state poisoned")
+                raise
+
+    def _sharing(self, name: str) -> tuple[str, ...]:
+        """Entries bound to the same tensor as ``name`` right now (a swapped attribute and its
+        twin inside a switch): a write through any of them changes the inputs of all."""
+        sw = self._active
+        if sw is None or not sw.resolve:
+            return (name,)
+        held = sw.resolve.get(name, name)
+        return tuple(e for e in self._tensors if sw.resolve.get(e, e) == held) or (name,)
 
     def write(self, name: str, value: torch.Tensor) -> None:
         """Write ``value`` into buffer ``name`` in place and recompute every derived buffer
@@ -450,8 +635,15 @@ class BoundState:
 
         ``value`` has the buffer's shape, except along the declared axis where it may be
         shorter (``n`` rows): the tail ``[n:extent]`` then gets the padding policy. Inside a
-        switch only ``mutable`` buffers may be written (they are snapshotted and restored)."""
-        self._check_usable()
+        switch only ``mutable`` buffers may be written (they are snapshotted and restored), and
+        the write lands where the attribute is bound now (a swapped buffer's twin): every
+        buffer derived from that storage, under any of its names, is recomputed.
+
+        All or nothing: everything is checked before a byte is written; a recompute that
+        raises (or an interrupt) rolls the written buffers back. The value never brings
+        autograd history into the static buffer."""
+        self._refuse_reentry("write()")
+        self.check_usable()
         d = self.plan.buffers.get(name)
         if d is None:
             kind = "an object entry" if name in self.plan.objects else "not declared"
@@ -462,6 +654,8 @@ class BoundState:
                               found=f"Recompute(inputs={list(d.derive.inputs)})",
                               fix="write its inputs; graphctl recomputes it from them")
         sw = self._active
+        if sw is not None and self._owner != threading.get_ident():
+            raise self._busy("write()")
         if sw is not None and name not in self.plan.mutable:
             raise SwitchError("write() inside a switch to a buffer not declared mutable", buffer=name,
                               expected="mutable=True", found="mutable=False",
@@ -469,21 +663,20 @@ class BoundState:
         if sw is not None and sw.phase == "refresh":
             raise SwitchError("write() inside a refresh switch", buffer=name, expected="no writes (nothing is "
                               "snapshotted for them)", found="a write", fix="write before the replay, or use phase='replay'")
-        target = getattr(self.obj, name, None)
-        want = self._expected_binding(name)
-        if target is not want:
-            self._check_bindings()
-            target = want
+        self._check_bindings()  # every input a recompute reads must still be the bound tensor
+        target = self._expected(sw.phase if sw is not None else None)[self._index[name]][1]
         self._check_value(name, d, target, value)
-        ax = d.axis_dim if d.axis is not None else 0
-        n = value.shape[ax] if value.dim() else 1
-        if d.axis is not None and n < target.shape[ax]:
-            target.narrow(ax, 0, n).copy_(value)
-            d.pad.apply(target.narrow(ax, n, target.shape[ax] - n))
-        else:
-            target.copy_(value)
-        for dep in self.plan.dependents[name]:
-            self._recompute(dep)
+        deps = self.plan.closure(self._sharing(name))
+        with self._all_or_nothing(f"write('{name}')", (name,) + deps), torch.no_grad():
+            ax = d.axis_dim if d.axis is not None else 0
+            n = value.shape[ax] if value.dim() else 1
+            if d.axis is not None and n < target.shape[ax]:
+                target.narrow(ax, 0, n).copy_(value)
+                d.pad.apply(target.narrow(ax, n, target.shape[ax] - n))
+            else:
+                target.copy_(value)
+            for dep in deps:
+                self._recompute(dep)
 
     def _check_value(self, name: str, d: BufferDecl, target: torch.Tensor, value: Any) -> None:
         if not isinstance(value, torch.Tensor):
@@ -509,31 +702,42 @@ class BoundState:
     def pad(self, counts: Mapping[str, int], ends: Mapping[str, int] | None = None) -> None:
         """Apply every buffer's padding policy to ``[n:end]`` along its axis, for
         ``counts = {"seq": n_seqs, ...}`` and ``end = ends[axis]`` (default: the extent), then
-        recompute the dependents of what was padded (nothing, when every range is empty)."""
-        self._check_usable()
+        recompute the dependents of what was padded (nothing, when every range is empty).
+        All or nothing, like :meth:`write`."""
+        self._refuse_reentry("pad()")
+        self.check_usable()
         if self._active is not None:
+            if self._owner != threading.get_ident():
+                raise self._busy("pad()")
             raise SwitchError("pad() inside a switch", expected="pad before entering the switch",
                               found=f"active phase {self._active.phase}", fix="pad, then switch")
-        touched = []
+        self._check_bindings()
+        work = []
         for name, d, t in self._padded:
             if d.axis in counts:
                 n = counts[d.axis]
-                if not 0 <= n <= t.shape[d.axis_dim]:
+                if not isinstance(n, int) or not 0 <= n <= t.shape[d.axis_dim]:
                     raise SwitchError("pad() count outside the buffer", buffer=name,
-                                      expected=f"0 <= {d.axis} <= {t.shape[d.axis_dim]}", found=n,
+                                      expected=f"an int, 0 <= {d.axis} <= {t.shape[d.axis_dim]}", found=n,
                                       fix="pass the live count, at most the bucket size")
                 end = min(t.shape[d.axis_dim], ends.get(d.axis, t.shape[d.axis_dim])) if ends else t.shape[d.axis_dim]
                 if end > n and d.pad.kind != "keep":
-                    d.pad.apply(t.narrow(d.axis_dim, n, end - n))
-                    touched.append(name)
-        if touched:
-            for dep in self.plan.closure(touched):
+                    work.append((name, d, t, n, end))
+        if not work:
+            return
+        touched = tuple(w[0] for w in work)
+        deps = self.plan.closure(touched)
+        with self._all_or_nothing("pad()", touched + deps), torch.no_grad():
+            for _, d, t, n, end in work:
+                d.pad.apply(t.narrow(d.axis_dim, n, end - n))
+            for dep in deps:
                 self._recompute(dep)
 
     def check(self) -> None:
         """Debug: recompute every derived buffer into scratch and raise ``StaleBufferError``
         on the first one that differs from the live buffer. Host sync; not for captures."""
-        self._check_usable()
+        self._refuse_reentry("check()")
+        self.check_usable()
         for name in self.plan.order:
             live = getattr(self.obj, name)
             scratch = self._scratch.get(name)

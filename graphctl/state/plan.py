@@ -6,8 +6,10 @@ object. Phases: ``eager`` and ``capture`` apply swaps and draft copies (``captur
 the device work into the graph), ``eager`` and ``replay`` apply refreshes (host code around
 ``graph.replay()``; never inside a capture, where a refresh would be baked once). ``refresh``
 is what the graph runner opens around ``graph.replay()``: the replay refreshes alone, without
-snapshotting ``mutable`` buffers, so whatever the graph itself writes to them stays written
-(a ``replay`` switch restores them on exit, the graph's writes included).
+snapshotting other buffers, so whatever the graph itself writes to them stays written (a
+``replay`` switch restores every declared buffer on exit, the graph's writes included).
+Every phase snapshots into arena slots of its own, so a ``replay`` or ``refresh`` switch open
+around a graph whose capture recorded a ``capture`` switch never shares a slot with it.
 """
 from __future__ import annotations
 
@@ -17,12 +19,9 @@ from typing import Mapping
 from graphctl.errors import DeclarationError
 from graphctl.state.spec import BufferDecl, CopyInPlace, ObjectDecl, StateSpec, Swap, is_draft_segment
 
-__all__ = ["NESTING_PHASES", "PHASES", "PhasePlan", "Plan", "compile_spec"]
+__all__ = ["PHASES", "PhasePlan", "Plan", "compile_spec"]
 
 PHASES = ("eager", "capture", "replay", "refresh")
-# Phases whose switch can be open while a graph captured with a "capture" switch replays; their
-# snapshots get arena slots of their own, so the in-graph snapshot never overwrites theirs.
-NESTING_PHASES = ("refresh",)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -189,7 +188,12 @@ def compile_spec(spec: StateSpec) -> Plan:
         recompute = _closure(order, dependents, changed)
         written = [n for n, _ in copies] + list(recompute)
         if phase != "refresh":
-            written += sorted(mutable) + list(_closure(order, dependents, mutable))
+            # Every declared buffer the body could leave changed is snapshotted, not only the
+            # mutable ones: the forward's own kernels may write any of them, and the promise is
+            # that a switch leaves each declared buffer bitwise as it found it. Not snapshotted:
+            # Stable scratch, and the originals a swap unbinds (nothing reaches them by name).
+            unbound = {n for n, _ in swaps}
+            written += [n for n, d in buffers.items() if not d.stable and n not in unbound]
         snapshot: list[str] = []
         for n in written:
             held = resolve.get(n, n)

@@ -9,6 +9,7 @@ the spec is compiled, which ``register`` does (see ``graphctl.state.plan``).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from typing import Any, Callable, Iterable, Mapping, Union
 
@@ -68,6 +69,30 @@ class Pad:
     @classmethod
     def keep(cls) -> "Pad":
         return cls("keep")
+
+    def unfit(self, dtype: torch.dtype) -> str | None:
+        """Why this policy's values cannot be stored in ``dtype`` (torch would wrap ``-3`` to
+        ``253`` in ``uint8`` or raise halfway through a write), or None when they fit."""
+        for label, v in (("fill value", self.value), ("clamp lo", self.lo), ("clamp hi", self.hi)):
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                if dtype != torch.bool and not isinstance(v, bool):
+                    return f"{label} {v!r} of type {type(v).__name__}"
+                continue
+            if dtype == torch.bool:
+                if v not in (0, 1):
+                    return f"{label} {v!r} for bool"
+            elif dtype.is_floating_point:
+                if v == v and abs(v) != float("inf") and abs(v) > torch.finfo(dtype).max:
+                    return f"{label} {v!r} outside [{torch.finfo(dtype).min}, {torch.finfo(dtype).max}]"
+            elif not dtype.is_complex:
+                info = torch.iinfo(dtype)
+                if float(v) != int(v) if v == v and abs(v) != float("inf") else True:
+                    return f"{label} {v!r} is not an integer"
+                if not info.min <= int(v) <= info.max:
+                    return f"{label} {v!r} outside [{info.min}, {info.max}]"
+        return None
 
     def apply(self, tail: torch.Tensor) -> None:
         """Apply in place to ``tail`` (already narrowed to ``[n:extent]``); capturable."""
@@ -133,6 +158,18 @@ class Recompute:
         if not callable(self.fn):
             raise DeclarationError("Recompute fn must be callable", expected="fn(out, *inputs)",
                                    found=type(self.fn).__name__, fix="pass a function")
+        try:
+            sig = inspect.signature(self.fn)
+        except (TypeError, ValueError):  # a builtin without a signature: checked when it runs
+            return
+        try:
+            sig.bind(object(), *inputs)
+        except TypeError:
+            name = getattr(self.fn, "__qualname__", repr(self.fn))
+            raise DeclarationError("Recompute fn cannot take (out, *inputs)", buffer=None,
+                                   expected=f"fn(out, {', '.join(inputs)}): {1 + len(inputs)} positional arguments",
+                                   found=f"{name}{sig}",
+                                   fix="take the output buffer first, then one argument per input, in order") from None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

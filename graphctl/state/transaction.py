@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Callable
 
 
 from graphctl.debug import knobs
-from graphctl.errors import CorruptedStateError, NestedSwitchError, SwitchError
+from graphctl.errors import SwitchError
+from graphctl.state.interrupts import deferred
 from graphctl.state.phase import capture_invalidated, capturing
 
 if TYPE_CHECKING:
@@ -24,27 +25,37 @@ FaultHook = Callable[[str, str, str], None]  # (stage, step, "before"|"after"), 
 
 
 class Step:
-    """One reversible piece of a switch. ``apply`` and ``undo`` may raise; the transaction
-    records a step as applied only after ``apply`` returned. ``recorded`` marks device work
-    that a CUDA capture records instead of running."""
+    """One reversible piece of a switch. ``apply`` and ``undo`` may raise. ``recorded`` marks
+    device work that a CUDA capture records instead of running. ``idempotent`` marks a step
+    whose ``undo`` is right whether ``apply`` ran fully, partly or not at all (a rebind, a
+    recompute): the transaction records it as applied *before* applying it, so an apply that
+    raises halfway is still undone. Other steps (a snapshot) count only once ``apply`` returned:
+    undo never "restores" from an arena that was never filled."""
 
-    __slots__ = ("name", "apply", "undo", "recorded")
+    __slots__ = ("name", "apply", "undo", "recorded", "idempotent")
 
     def __init__(self, name: str, apply: Callable[[], None], undo: Callable[[], None],
-                 recorded: bool = False) -> None:
-        self.name, self.apply, self.undo, self.recorded = name, apply, undo, recorded
+                 recorded: bool = False, idempotent: bool = False) -> None:
+        self.name, self.apply, self.undo, self.recorded, self.idempotent = name, apply, undo, recorded, idempotent
 
 
 class Switch:
-    """The context manager returned by :meth:`BoundState.switch`; one use."""
+    """The context manager returned by :meth:`BoundState.switch`; one use.
 
-    __slots__ = ("state", "role", "phase", "resolve", "applied", "before")
+    Entering and exiting each run as one :class:`~graphctl.state.interrupts.deferred`
+    section: a ``KeyboardInterrupt`` that arrives while steps are applied or undone is held
+    until the bookkeeping is consistent, then raised. An interrupt held during entry undoes
+    the whole switch before it propagates (the ``with`` body never ran, so its ``__exit__``
+    would not)."""
+
+    __slots__ = ("state", "role", "phase", "resolve", "applied", "before", "used")
 
     def __init__(self, state: BoundState, role: str, phase: str) -> None:
         self.state, self.role, self.phase = state, role, phase
         self.resolve = state.plan.phases[phase].resolve
         self.applied: list[Step] = []
         self.before: list[list[int]] | None = None
+        self.used = False
 
     def _check_capture(self) -> None:
         st = self.state
@@ -58,70 +69,83 @@ class Switch:
 
     def __enter__(self) -> "Switch":
         st = self.state
-        st._check_usable()
-        if st._active is not None:
-            raise NestedSwitchError("switch entered while another switch is active on this state",
-                                    expected="no active switch", found=f"active '{st._active.role}' "
-                                    f"({st._active.phase})", fix="exit the active switch first; one switch per state")
-        self._check_capture()
-        st._check_bindings(entering=self.phase)
-        for observe in st._observers:
-            observe(self.role, self.phase, "enter")
-        if self.phase != "capture":
-            if knobs.check_stale:
-                st.check()
-            if knobs.verify_restore:
-                self.before = st._fingerprints(self.phase)
-        try:
-            for step in st._steps(self.phase):
-                st._hook("apply", step.name, "before")
-                step.apply()
-                self.applied.append(step)
-                st._hook("apply", step.name, "after")
-        except BaseException as exc:
-            failures = self._undo("undo")
-            if failures:
-                st._poisoned = tuple(name for name, _ in failures)
-                for name, err in failures:
+        if self.used:
+            raise SwitchError("a Switch object is entered twice", expected="a fresh state.switch(...) per use",
+                              found=f"'{self.role}' ({self.phase}) already used",
+                              fix="call state.switch(...) again for every with-statement")
+        # A held interrupt is delivered as the section ends; if it raises, unwind() undoes the
+        # entry first (still held), since the with-statement never calls __exit__ for it.
+        with deferred(on_interrupt=self._unwind):
+            st._claim(self)  # refuses poisoned, nested, re-entrant and concurrent use; owns the state
+            self.used = True
+            try:
+                self._check_capture()
+                st._check_bindings(entering=self.phase)
+                for observe in st._observers:
+                    observe(self.role, self.phase, "enter")
+                if self.phase != "capture":
+                    if knobs.check_stale:
+                        st.check()
+                    if knobs.verify_restore:
+                        self.before = st._fingerprints(self.phase)
+                for step in st._steps(self.phase):
+                    st._hook("apply", step.name, "before")
+                    if step.idempotent:
+                        self.applied.append(step)
+                        step.apply()
+                    else:
+                        step.apply()
+                        self.applied.append(step)
+                    st._hook("apply", step.name, "after")
+            except BaseException as exc:
+                for name, err in self._unwind():
                     exc.add_note(f"graphctl: undo of {name} failed ({type(err).__name__}: {err}); state poisoned")
-            raise
-        st._active = self
+                raise
         return self
+
+    def _unwind(self) -> list[tuple[str, BaseException]]:
+        """Undo an entry that will not complete; poison on a failed undo."""
+        st = self.state
+        failures = self._undo("undo")
+        st._release(self)
+        if failures:
+            st._poison(failures)
+        return failures
 
     def _undo(self, stage: str) -> list[tuple[str, BaseException]]:
         st, failures = self.state, []
         # A dead capture never runs what it recorded, so recorded device work has nothing to undo.
         dead = self.phase == "capture" and any(s.recorded for s in self.applied) and capture_invalidated(st.device)
-        for step in reversed(self.applied):
-            if dead and step.recorded:
-                continue
-            try:
-                st._hook(stage, step.name, "before")
-                step.undo()
-                st._hook(stage, step.name, "after")
-            except BaseException as err:  # keep restoring the rest; report all of them
-                failures.append((step.name, err))
-        self.applied.clear()
+        while self.applied:
+            step = self.applied[-1]
+            if not (dead and step.recorded):
+                try:
+                    st._hook(stage, step.name, "before")
+                    step.undo()
+                    st._hook(stage, step.name, "after")
+                except BaseException as err:  # keep restoring the rest; report all of them
+                    failures.append((step.name, err))
+            self.applied.pop()
         return failures
 
     def __exit__(self, et, ev, tb) -> bool:
         st = self.state
-        st._active = None
-        failures = self._undo("restore")
-        for observe in st._observers:
-            observe(self.role, self.phase, "exit")
-        if not failures and self.before is not None:
-            after = st._fingerprints(self.phase)
-            for g, b, a in zip(st._groups[self.phase], self.before, after):
-                failures += [(f"verify({n})", RuntimeError("fingerprint changed"))
-                             for n, x, y in zip(g.names, b, a) if x != y]
-        if not failures:
+        if st._active is not self:  # entry never completed (or a foreign exit): nothing is held
             return False
-        st._poisoned = tuple(name for name, _ in failures)
-        err = CorruptedStateError(
-            "restore after the switch failed; the state is poisoned", buffer=", ".join(st._poisoned),
-            expected="every declared buffer and attribute restored",
-            found="; ".join(f"{n}: {type(e).__name__}: {e}" for n, e in failures),
-            fix="rebuild the metadata object and bind it again; later uses of this state raise",
-            failures=st._poisoned)
-        raise err from (ev if ev is not None else failures[0][1])
+        with deferred():
+            failures = self._undo("restore")
+            st._release(self)
+            for observe in st._observers:
+                try:
+                    observe(self.role, self.phase, "exit")
+                except BaseException as err:
+                    failures.append((f"observer {getattr(observe, '__qualname__', observe)}", err))
+            if not failures and self.before is not None:
+                after = st._fingerprints(self.phase)
+                for g, b, a in zip(st._groups[self.phase], self.before, after):
+                    failures += [(f"verify({n})", RuntimeError("fingerprint changed"))
+                                 for n, x, y in zip(g.names, b, a) if x != y]
+            if failures:
+                err = st._poison(failures)
+                raise err from (ev if ev is not None else failures[0][1])
+        return False

@@ -1,0 +1,100 @@
+"""Deferred interrupts: a few bookkeeping lines that must not be cut in half.
+
+A ``KeyboardInterrupt`` (Ctrl-C, or any Python-level signal handler that raises) arrives
+between two bytecodes, so it can land right after a fused snapshot returned and before the
+switch recorded that it ran: undo would then skip a step that did run, or replay one that did
+not. A CUDA graph replay cannot be stopped halfway either, and the emulated backend must not
+be. :func:`deferred` holds Python-level signal handlers across such a section: a signal that
+arrives inside it is remembered, and its handler runs once the section has ended, when the
+state is consistent again (so the ``KeyboardInterrupt`` then propagates as itself).
+
+Only the main thread receives signals, so elsewhere the section costs nothing. Handlers that
+are not Python callables (``SIG_DFL``, ``SIG_IGN``) are left alone: they never raise into
+Python code. Sections nest; the outermost one delivers. A long user callable inside a section
+(a ``Recompute`` fn) delays Ctrl-C until the section ends.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any, Callable
+
+__all__ = ["deferred", "DEFERRED_SIGNALS"]
+
+# SIGINT is what Ctrl-C sends; SIGTERM only matters where a program installed a raising handler.
+DEFERRED_SIGNALS = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None))
+                         if s is not None)
+_MAIN = threading.main_thread()
+
+
+class deferred:
+    """Context manager: hold Python-level signal handlers for the body; run them after it.
+
+    On exit every signal that arrived is handed to its own handler, in arrival order, while
+    the hold is still in place. If a handler raises (``KeyboardInterrupt``), ``on_interrupt``
+    runs first (still held: it undoes what the body did, e.g. a switch entry that must not
+    survive an interrupted ``__enter__``), then the original handlers are reinstalled and the
+    exception propagates as itself. Signals arriving during that cleanup are dropped: one
+    interrupt is already on its way."""
+
+    __slots__ = ("_saved", "_pending", "_active", "_on_interrupt")
+
+    _depth = 0  # nesting depth in the main thread (only the main thread installs handlers)
+
+    def __init__(self, on_interrupt: Callable[[], None] | None = None) -> None:
+        self._saved: list[tuple[int, Any]] = []
+        self._pending: list[tuple[int, Any]] = []
+        self._active = False
+        self._on_interrupt = on_interrupt
+
+    @property
+    def pending(self) -> bool:
+        """True when a signal arrived inside the section and awaits delivery."""
+        return bool(self._pending)
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        self._pending.append((signum, frame))
+
+    def __enter__(self) -> "deferred":
+        if threading.current_thread() is not _MAIN or deferred._depth:
+            return self
+        try:
+            for s in DEFERRED_SIGNALS:
+                h = signal.getsignal(s)
+                if callable(h):
+                    signal.signal(s, self._hold)
+                    self._saved.append((s, h))
+        except BaseException:  # a signal before the hold was in place: nothing has run yet
+            self._restore()
+            raise
+        deferred._depth += 1
+        self._active = True
+        return self
+
+    def _restore(self) -> None:
+        # SIGINT is reinstalled last: until then every handler is ours, and ours never raises.
+        for s, h in sorted(self._saved, key=lambda sh: sh[0] == getattr(signal, "SIGINT", None)):
+            signal.signal(s, h)
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self._active:
+            return
+        handlers = dict(self._saved)
+        try:
+            while self._pending:
+                signum, frame = self._pending.pop(0)
+                handlers[signum](signum, frame)  # the default SIGINT handler raises KeyboardInterrupt
+        except BaseException:
+            try:
+                if self._on_interrupt is not None:
+                    self._on_interrupt()
+            finally:
+                self._pending.clear()
+                self._leave()
+            raise
+        self._leave()
+
+    def _leave(self) -> None:
+        deferred._depth -= 1
+        self._active = False
+        self._restore()
