@@ -305,6 +305,7 @@ class BoundState:
 
     @property
     def active_phase(self) -> str | None:
+        self._recover()
         return self._active.phase if self._active is not None else None
 
     def addresses(self) -> dict[str, int]:
@@ -393,6 +394,7 @@ class BoundState:
         if self._owner is not None and self._owner != threading.get_ident():
             raise self._busy("switch")
         self._refuse_reentry("switch")
+        self._recover()
         self.check_usable()
         me = threading.get_ident()
         if not self._lock.acquire(blocking=False):
@@ -406,8 +408,17 @@ class BoundState:
 
     def _release(self, sw: Switch) -> None:
         if self._active is sw:
+            sw.frame = None
             self._active, self._owner = None, None
             self._lock.release()
+
+    def _recover(self) -> None:
+        """Restore this thread's switch whose with-block was left without running its restore
+        (an interrupt delivered as ``__exit__`` began: see ``Switch.orphaned``)."""
+        sw = self._active
+        if sw is not None and self._owner == threading.get_ident() and sw.orphaned():
+            with deferred():
+                sw._restore(None)
 
     @contextlib.contextmanager
     def _owned(self, what: str) -> Iterator[None]:
@@ -602,7 +613,7 @@ class BoundState:
     @contextlib.contextmanager
     def _all_or_nothing(self, what: str, names: tuple[str, ...]) -> Iterator[None]:
         """Own the state, hold interrupts, keep an undo copy of ``names``; roll back on any raise."""
-        with self._owned(what), deferred():
+        with deferred(), self._owned(what):
             statics, slots, stable = self._write_group(names)
             ops.copy_(slots, statics, validate=False)
             try:
@@ -643,6 +654,7 @@ class BoundState:
         raises (or an interrupt) rolls the written buffers back. The value never brings
         autograd history into the static buffer."""
         self._refuse_reentry("write()")
+        self._recover()
         self.check_usable()
         d = self.plan.buffers.get(name)
         if d is None:
@@ -705,6 +717,7 @@ class BoundState:
         recompute the dependents of what was padded (nothing, when every range is empty).
         All or nothing, like :meth:`write`."""
         self._refuse_reentry("pad()")
+        self._recover()
         self.check_usable()
         if self._active is not None:
             if self._owner != threading.get_ident():
@@ -737,6 +750,7 @@ class BoundState:
         """Debug: recompute every derived buffer into scratch and raise ``StaleBufferError``
         on the first one that differs from the live buffer. Host sync; not for captures."""
         self._refuse_reentry("check()")
+        self._recover()
         self.check_usable()
         for name in self.plan.order:
             live = getattr(self.obj, name)

@@ -81,18 +81,23 @@ class deferred:
             return
         handlers = dict(self._saved)
         try:
-            while self._pending:
-                signum, frame = self._pending.pop(0)
-                handlers[signum](signum, frame)  # the default SIGINT handler raises KeyboardInterrupt
+            self._deliver(handlers)
+            self._leave()
+            self._deliver(handlers)  # what arrived while the originals were being reinstalled
         except BaseException:
             try:
                 if self._on_interrupt is not None:
                     self._on_interrupt()
             finally:
                 self._pending.clear()
-                self._leave()
+                if self._active:
+                    self._leave()
             raise
-        self._leave()
+
+    def _deliver(self, handlers: dict[int, Any]) -> None:
+        while self._pending:
+            signum, frame = self._pending.pop(0)
+            handlers[signum](signum, frame)  # the default SIGINT handler raises KeyboardInterrupt
 
     def _leave(self) -> None:
         deferred._depth -= 1

@@ -8,7 +8,9 @@ earlier one failed, and any failure poisons the state (``CorruptedStateError``).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+import inspect
+import sys
+from typing import TYPE_CHECKING, Any, Callable
 
 
 from graphctl.debug import knobs
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from graphctl.state.bound import BoundState
 
 __all__ = ["FaultHook", "Step", "Switch"]
+
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 FaultHook = Callable[[str, str, str], None]  # (stage, step, "before"|"after"), for fault-injection tests
 
@@ -48,7 +52,7 @@ class Switch:
     the whole switch before it propagates (the ``with`` body never ran, so its ``__exit__``
     would not)."""
 
-    __slots__ = ("state", "role", "phase", "resolve", "applied", "before", "used")
+    __slots__ = ("state", "role", "phase", "resolve", "applied", "before", "used", "frame")
 
     def __init__(self, state: BoundState, role: str, phase: str) -> None:
         self.state, self.role, self.phase = state, role, phase
@@ -56,6 +60,7 @@ class Switch:
         self.applied: list[Step] = []
         self.before: list[list[int]] | None = None
         self.used = False
+        self.frame: Any = None  # the plain-function frame whose with-statement entered it
 
     def _check_capture(self) -> None:
         st = self.state
@@ -73,35 +78,45 @@ class Switch:
             raise SwitchError("a Switch object is entered twice", expected="a fresh state.switch(...) per use",
                               found=f"'{self.role}' ({self.phase}) already used",
                               fix="call state.switch(...) again for every with-statement")
-        # A held interrupt is delivered as the section ends; if it raises, unwind() undoes the
-        # entry first (still held), since the with-statement never calls __exit__ for it.
-        with deferred(on_interrupt=self._unwind):
-            st._claim(self)  # refuses poisoned, nested, re-entrant and concurrent use; owns the state
-            self.used = True
-            try:
-                self._check_capture()
-                st._check_bindings(entering=self.phase)
-                for observe in st._observers:
-                    observe(self.role, self.phase, "enter")
-                if self.phase != "capture":
-                    if knobs.check_stale:
-                        st.check()
-                    if knobs.verify_restore:
-                        self.before = st._fingerprints(self.phase)
-                for step in st._steps(self.phase):
-                    st._hook("apply", step.name, "before")
-                    if step.idempotent:
-                        self.applied.append(step)
-                        step.apply()
-                    else:
-                        step.apply()
-                        self.applied.append(step)
-                    st._hook("apply", step.name, "after")
-            except BaseException as exc:
-                for name, err in self._unwind():
-                    exc.add_note(f"graphctl: undo of {name} failed ({type(err).__name__}: {err}); state poisoned")
-                raise
-        return self
+        # A held interrupt is delivered as the section ends; if it raises, the entry is undone
+        # (still held, by on_interrupt) since the with-statement never calls __exit__ for an
+        # __enter__ that raised. The outer try covers the few bytecodes after the hold ends.
+        try:
+            with deferred(on_interrupt=self._unwind):
+                st._claim(self)  # refuses poisoned, nested, re-entrant and concurrent use; owns the state
+                self.used = True
+                caller = sys._getframe(1)
+                if not caller.f_code.co_flags & _SUSPENDABLE:  # a generator's frame leaves the stack at yield
+                    self.frame = caller
+                try:
+                    self._check_capture()
+                    st._check_bindings(entering=self.phase)
+                    for observe in st._observers:
+                        observe(self.role, self.phase, "enter")
+                    if self.phase != "capture":
+                        if knobs.check_stale:
+                            st.check()
+                        if knobs.verify_restore:
+                            self.before = st._fingerprints(self.phase)
+                    for step in st._steps(self.phase):
+                        st._hook("apply", step.name, "before")
+                        if step.idempotent:
+                            self.applied.append(step)
+                            step.apply()
+                        else:
+                            step.apply()
+                            self.applied.append(step)
+                        st._hook("apply", step.name, "after")
+                except BaseException as exc:
+                    for name, err in self._unwind():
+                        exc.add_note(f"graphctl: undo of {name} failed ({type(err).__name__}: {err}); "
+                                     "state poisoned")
+                    raise
+            return self
+        except BaseException:
+            with deferred():
+                self._unwind()  # idempotent: nothing left to undo when the inner handler ran
+            raise
 
     def _unwind(self) -> list[tuple[str, BaseException]]:
         """Undo an entry that will not complete; poison on a failed undo."""
@@ -129,9 +144,35 @@ class Switch:
         return failures
 
     def __exit__(self, et, ev, tb) -> bool:
+        try:
+            self._restore(ev)
+        except BaseException:
+            # An interrupt before the restore section began: restore now, held, then raise it.
+            if self.state._active is self:
+                with deferred():
+                    self._restore(None)
+            raise
+        return False
+
+    def orphaned(self) -> bool:
+        """True when the with-block that entered this switch has been left without its restore.
+
+        The one interrupt point no code can close: a signal delivered as ``__exit__`` starts,
+        before its first line. The entering frame is then off the stack while the switch is
+        still active; the state's next use in this thread restores it (see ``BoundState``)."""
+        if self.frame is None:
+            return False
+        f = sys._getframe(1)
+        while f is not None:
+            if f is self.frame:
+                return False
+            f = f.f_back
+        return True
+
+    def _restore(self, ev: BaseException | None) -> None:
         st = self.state
         if st._active is not self:  # entry never completed (or a foreign exit): nothing is held
-            return False
+            return
         with deferred():
             failures = self._undo("restore")
             st._release(self)
@@ -148,4 +189,3 @@ class Switch:
             if failures:
                 err = st._poison(failures)
                 raise err from (ev if ev is not None else failures[0][1])
-        return False
