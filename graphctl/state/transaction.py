@@ -8,6 +8,7 @@ earlier one failed, and any failure poisons the state (``CorruptedStateError``).
 """
 from __future__ import annotations
 
+import dis
 import inspect
 import sys
 from typing import TYPE_CHECKING, Any, Callable
@@ -24,6 +25,18 @@ if TYPE_CHECKING:
 __all__ = ["FaultHook", "Step", "Switch"]
 
 _SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+_WITH_OPS = frozenset(dis.opmap[n] for n in ("BEFORE_WITH", "SETUP_WITH") if n in dis.opmap)
+
+
+def _with_frame(caller: Any) -> Any:
+    """``caller`` when it is a plain function frame running a with-statement on the switch (the
+    frame stays on the stack exactly as long as the with-block runs), else None: a manual
+    ``__enter__()``, an ``ExitStack``, or a generator frame (it leaves the stack at each yield)
+    say nothing about when the switch will be exited. On Pythons whose with-statement has no
+    dedicated opcode (3.14) this is always None and no orphan is ever recovered."""
+    if caller.f_code.co_flags & _SUSPENDABLE or caller.f_lasti < 0:
+        return None
+    return caller if caller.f_code.co_code[caller.f_lasti] in _WITH_OPS else None
 
 FaultHook = Callable[[str, str, str], None]  # (stage, step, "before"|"after"), for fault-injection tests
 
@@ -85,9 +98,7 @@ class Switch:
             with deferred(on_interrupt=self._unwind):
                 st._claim(self)  # refuses poisoned, nested, re-entrant and concurrent use; owns the state
                 self.used = True
-                caller = sys._getframe(1)
-                if not caller.f_code.co_flags & _SUSPENDABLE:  # a generator's frame leaves the stack at yield
-                    self.frame = caller
+                self.frame = _with_frame(sys._getframe(1))
                 try:
                     self._check_capture()
                     st._check_bindings(entering=self.phase)
