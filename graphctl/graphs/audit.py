@@ -147,14 +147,30 @@ def allocator_regions(device: torch.device, pool: Any) -> list[Region]:
 
 def param_tensors(params: Any) -> dict[str, torch.Tensor]:
     """Model tensors by name from an ``nn.Module`` (parameters and buffers), a mapping of name to
-    tensor, or an iterable of tensors."""
-    if params is None:
-        return {}
-    if isinstance(params, torch.nn.Module):
-        return {**dict(params.named_parameters()), **dict(params.named_buffers())}
-    if isinstance(params, Mapping):
-        return {str(k): v for k, v in params.items() if isinstance(v, torch.Tensor)}
-    return {f"param[{i}]": t for i, t in enumerate(params) if isinstance(t, torch.Tensor)}
+    tensor or module, or an iterable of tensors and modules (nested iterables too). Anything
+    else raises ``TypeError`` naming what was found: a silently ignored ``params=`` would turn
+    every model tensor into "unknown" memory."""
+    out: dict[str, torch.Tensor] = {}
+
+    def add(prefix: str, v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            out[prefix] = v
+        elif isinstance(v, torch.nn.Module):
+            for n, t in (*v.named_parameters(), *v.named_buffers()):
+                out[f"{prefix}.{n}" if prefix else n] = t
+        elif isinstance(v, Mapping):
+            for k, e in v.items():
+                add(f"{prefix}.{k}" if prefix else str(k), e)
+        elif isinstance(v, Iterable) and not isinstance(v, (str, bytes)):
+            for i, e in enumerate(v):
+                add(f"{prefix}[{i}]" if prefix else f"param[{i}]", e)
+        else:
+            raise TypeError(f"audit params: {prefix or 'params'} is a {type(v).__qualname__}; expected an nn.Module, "
+                            "a tensor, a mapping or an iterable of those")
+
+    if params is not None:
+        add("", params)
+    return out
 
 
 def _span(kind: str, name: str, t: torch.Tensor) -> Region | None:

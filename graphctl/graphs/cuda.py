@@ -194,6 +194,9 @@ class CudaBackend:
             except BaseException as exc:
                 dead = capture_invalidated(self.device)
                 self._abandon(g, exc)
+                if not isinstance(exc, Exception):  # Ctrl-C, SystemExit, GeneratorExit propagate as themselves
+                    exc.add_note(f"graphctl: capture of bucket {bucket} dropped; nothing replayable was kept")
+                    raise
                 if dead and "CaptureInvalidated" in str(exc):  # the body's error is a symptom, not the cause
                     raise self._invalidated(bucket, exc) from exc
                 raise CaptureError.from_body(bucket, exc) from exc

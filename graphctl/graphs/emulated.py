@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import CaptureError
 from graphctl.graphs.nodes import Node, Ref, Region
+from graphctl.state.interrupts import deferred
 from graphctl.state.phase import recording
 
 __all__ = ["EmulatedBackend", "EmulatedGraph"]
@@ -135,7 +136,10 @@ class EmulatedGraph:
         return len(self._ops)
 
     def replay(self) -> None:
-        with torch.no_grad():
+        # A CUDA graph replay cannot be stopped halfway; neither can this one: a Ctrl-C that
+        # arrives mid-replay is held until the last recorded op ran (a recorded switch would
+        # otherwise be left half applied), then raised.
+        with deferred(), torch.no_grad():
             for op in self._ops:
                 res = op.func(*op.args, **op.kwargs)
                 for i in op.waits:
@@ -260,8 +264,11 @@ class EmulatedBackend:
         except CaptureError as exc:
             exc.add_note(f"graphctl: capture of bucket {bucket} dropped; nothing replayable was kept")
             raise
-        except BaseException as exc:
+        except Exception as exc:
             raise CaptureError.from_body(bucket, exc) from exc
+        except BaseException as exc:  # Ctrl-C, SystemExit, GeneratorExit: cleaned up, then themselves
+            exc.add_note(f"graphctl: capture of bucket {bucket} dropped; nothing replayable was kept")
+            raise
         return EmulatedGraph(rec.ops), out
 
     def synchronize(self) -> None:

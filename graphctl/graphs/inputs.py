@@ -61,10 +61,16 @@ class StaticInput:
             raise DeclarationError("a static input has no batch dimension", buffer=self.name,
                                    expected=f"at least {self.dim + 1} dims", found=tuple(example.shape),
                                    fix="set StaticInput(dim=...) to the batch dimension")
+        why = self.pad.unfit(example.dtype)
+        if why is not None:
+            raise DeclarationError("a static input's padding does not fit its dtype", buffer=self.name,
+                                   expected=f"values representable in {example.dtype}", found=why,
+                                   fix="pick a padding value inside the dtype's range")
         shape = list(example.shape)
         shape[self.dim] = max_bucket * self.per_item
         buf = torch.empty(shape, dtype=example.dtype, device=example.device)
-        self.pad.apply(buf)  # never leave uninitialised memory for a warmup to read
+        with torch.no_grad():
+            self.pad.apply(buf)  # never leave uninitialised memory for a warmup to read
         return buf
 
     def check(self, live: object, static: torch.Tensor, n: int) -> ReplayError | None:
@@ -109,9 +115,10 @@ class InputSlot:
         views = self._views.get((n, bucket))
         if views is None:
             views = self._views[n, bucket] = self._make_views(n, bucket)
-        views[0].copy_(live)
-        if views[1] is not None:
-            self.spec.pad.apply(views[1])
+        with torch.no_grad():  # a static buffer never records autograd history (nor keeps inputs alive)
+            views[0].copy_(live)
+            if views[1] is not None:
+                self.spec.pad.apply(views[1])
 
     def _make_views(self, n: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         d, per = self.spec.dim, self.spec.per_item

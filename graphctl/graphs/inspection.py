@@ -19,6 +19,7 @@ from graphctl.graphs.audit import Audit, audit_graph, param_tensors
 from graphctl.graphs.nodes import Node, census
 from graphctl.graphs.report import BucketReport, Report, Segment
 from graphctl.graphs.verify import verify as _verify
+from graphctl.state import BoundState
 
 if TYPE_CHECKING:
     from graphctl.graphs.runner import GraphRunner
@@ -33,18 +34,27 @@ class Inspection:
     # ------------------------------------------------------------------------- measure
 
     def measure(self: "GraphRunner", iters: int = 20) -> "GraphRunner":
-        """Median time of the whole graphed call and of the eager forward, per bucket, on the
-        example's first ``min(n, bucket)`` items (mutable buffers restored afterwards)."""
+        """Median time of the whole graphed call and of the eager forward, per bucket, each at
+        its own size (the example's items, repeated when the bucket holds more). Every declared
+        buffer is restored before each timed call, outside the timing, so a forward that
+        advances a bounded cache never runs off its end however many iterations are timed."""
+        from graphctl.graphs.runner import _Guard  # the runner's snapshot helper (same layer)
+
         if self._example is None:
             raise CaptureError("nothing captured yet", expected="capture_all() or a call first", found="no graphs",
                                fix="call capture_all(*example) before measure()")
         arguments = self._arguments(*self._example)
         n = self._batch((), arguments)[0]
-        for b, cap in sorted(self._graphs.items()):
-            args, kwargs = self._assemble({**arguments, **self._head(arguments, min(n, b))})
-            with self._guard:
-                cap.replay_us = _median_us(self._backend, lambda: self(*args, **kwargs), iters)
-                cap.eager_us = _median_us(self._backend, lambda: self.fn(*args, **kwargs), iters)
+        with _Guard(self.state, BoundState.restorable_names) as given:
+            for b, cap in sorted(self._graphs.items()):
+                args, kwargs = self._assemble({**arguments, **_tiled(self._inputs, arguments, n, b)})
+                before = cap.replays
+                cap.replay_us = _median_us(self._backend, lambda: self(*args, **kwargs), iters, given.restore)
+                if cap.replays - before < iters:  # every timed call must have replayed this bucket
+                    raise ReplayError(f"measure() of bucket {b} did not replay it", expected=f"{iters} replays",
+                                      found=f"{cap.replays - before}", fix="report this: the bucket picked for "
+                                      f"a batch of {b} is {self.buckets.pick(b)}")
+                cap.eager_us = _median_us(self._backend, lambda: self.fn(*args, **kwargs), iters, given.restore)
         return self
 
     def coverage(self: "GraphRunner", sizes: Any = None) -> dict[int, str]:
@@ -103,7 +113,7 @@ class Inspection:
             out += [("arena", f"arena {n}", t) for n, t in self.state.arenas().items()]
         out += [("input", f"input:{slot.spec.name}", slot.static) for slot in self._slots]
         out += [("output", f"output[{i}]", t) for i, t in enumerate(self.outputs(bucket))]
-        for name, v in self._frozen.items():
+        for name, (v, _) in self._frozen.items():
             out += [("argument", f"argument:{name}", t) for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
         return out
 
@@ -157,11 +167,27 @@ class Inspection:
         return self._graphs[bucket].segments
 
 
-def _median_us(be: Any, fn: Callable[[], Any], iters: int) -> float:
+def _tiled(inputs: Any, arguments: dict[str, Any], n: int, b: int) -> dict[str, torch.Tensor]:
+    """The example's static inputs at ``b`` items: its first ``b`` items, or its ``n`` items
+    repeated whole when ``b > n``."""
+    out = {}
+    for si in inputs:
+        t = arguments[si.name]
+        if b <= n:
+            out[si.name] = t.narrow(si.dim, 0, b * si.per_item)
+        else:
+            idx = torch.arange(b * si.per_item, device=t.device) % (n * si.per_item)
+            out[si.name] = t.index_select(si.dim, idx)
+    return out
+
+
+def _median_us(be: Any, fn: Callable[[], Any], iters: int, reset: Callable[[], None]) -> float:
+    reset()
     fn()  # settle caches and lazy work
     samples = []
     if be.device.type == "cuda":
         for _ in range(iters):
+            reset()  # queued before the start event: not timed
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()
@@ -170,8 +196,10 @@ def _median_us(be: Any, fn: Callable[[], Any], iters: int) -> float:
             samples.append(a.elapsed_time(b) * 1e3)
     else:
         for _ in range(iters):
+            reset()
             t0 = time.perf_counter()
             fn()
             samples.append((time.perf_counter() - t0) * 1e6)
+    reset()
     samples.sort()
     return samples[len(samples) // 2]

@@ -63,13 +63,17 @@ class _Captured:
                  "checked", "capture_ms", "replays", "replay_us", "eager_us", "_sliced")
 
     def __init__(self, graph, out, bucket: int, manifest: dict[str, int], segments: tuple[Segment, ...],
-                 capture_ms: float) -> None:
+                 capture_ms: float, per_items: frozenset[int]) -> None:
         self.graph = graph
         self.out_flat, self.out_spec = tree_flatten(out)
         self.single = isinstance(out, torch.Tensor)
-        # rows per batch item of each output's first dim, or None: that output is not sliced
+        # Rows per batch item of each output's first dim, or None: that output is not sliced. An
+        # output is batched when its first dim is bucket * r, r = 1 or the per_item of a static input (and,
+        # across buckets, with the same per_item: see GraphRunner._settle_slicing); never because
+        # the first dim merely divides by the bucket (a [256] per-vocab output at bucket 4).
         self.out_rows = tuple(t.shape[0] // bucket if isinstance(t, torch.Tensor) and t.dim() and
-                              t.shape[0] % bucket == 0 else None for t in self.out_flat)
+                              t.shape[0] % bucket == 0 and t.shape[0] // bucket in per_items else None
+                              for t in self.out_flat)
         self.manifest = manifest
         self.segments = segments
         self.draft = any(s.name.startswith("draft") for s in segments)
@@ -177,7 +181,8 @@ class GraphRunner(Inspection):
         self._params = list(self._sig.parameters)
         self._pos = {p: i for i, p in enumerate(self._params)}
         # With *args/**kwargs in the signature an argument's position is not fixed: bind fully.
-        self._simple = all(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in self._sig.parameters.values())
+        self._simple = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in self._sig.parameters.values())
+        self._n_required = sum(1 for p in self._sig.parameters.values() if p.default is p.empty)
         self._declared = None if inputs is None else tuple(StaticInput.of(i) for i in inputs)
         self._inputs: tuple[StaticInput, ...] | None = self._declared
         for si in self._declared or ():
@@ -212,7 +217,10 @@ class GraphRunner(Inspection):
     # ------------------------------------------------------------------------ arguments
 
     def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        ba = self._sig.bind(*args, **kwargs)
+        try:
+            ba = self._sig.bind(*args, **kwargs)
+        except TypeError as exc:  # a missing, extra or unknown argument: say it as Python would
+            raise TypeError(f"{getattr(self.fn, '__qualname__', self.fn)}(): {exc}") from None
         ba.apply_defaults()
         return ba.arguments
 
@@ -227,10 +235,14 @@ class GraphRunner(Inspection):
         return self._sig.parameters[name].default
 
     def _batch(self, args: tuple, kwargs: dict) -> tuple[int, list[Any]]:
-        if not kwargs and self._simple and len(args) > self._in_pos[-1]:  # the usual call: positional inputs
-            lives = [args[i] for i in self._in_pos]
+        # The usual call is positional with every required argument given; anything else binds
+        # fully, so a missing or unknown argument raises TypeError naming it.
+        if not kwargs and self._simple and self._n_required <= len(args) <= len(self._params):
+            lives = [args[i] if i < len(args) else self._sig.parameters[self._params[i]].default
+                     for i in self._in_pos]
         else:
-            lives = [self._arg(args, kwargs, si.name) for si in self._inputs]
+            arguments = self._arguments(args, kwargs)
+            lives = [arguments[si.name] for si in self._inputs]
         first, live = self._inputs[0], lives[0]
         if not isinstance(live, torch.Tensor) or live.dim() <= first.dim or live.shape[first.dim] % first.per_item:
             raise ReplayError("cannot read the batch size from the first static input", buffer=first.name,
@@ -283,7 +295,10 @@ class GraphRunner(Inspection):
         # the replay-time refreshes of draft twins; a spec without any needs no switch around replay
         self._refreshes = self.state is not None and bool(self.state.snapshot_names("refresh"))
         static_names = {si.name for si in self._inputs}
-        self._frozen = {n: v for n, v in arguments.items() if n not in static_names}
+        # Non-input arguments are baked into the graph: keep each object and a structural copy of
+        # what it held (containers are compared by contents at every call: an in-place change
+        # to a dict or list passed here would otherwise replay capture-time values silently).
+        self._frozen = {n: (v, _freeze(v)) for n, v in arguments.items() if n not in static_names}
         n, lives = self._batch((), arguments)
         for slot, live in zip(self._slots, lives):
             err = slot.spec.check(live, slot.static, n)
@@ -362,6 +377,7 @@ class GraphRunner(Inspection):
                     pool_mib = sum(c.graph.pool_bytes for c in self._graphs.values()) / 2**20
                     bar.update(task, advance=1, description=f"captured bucket {b} "
                                f"({time.perf_counter() - t_start:.1f}s, pool {pool_mib:.1f} MiB)")
+            self._settle_slicing()
 
     def _capture_one(self, bucket: int, arguments: dict[str, Any], pool: Any) -> None:
         call = self._call_args(arguments, bucket)
@@ -381,7 +397,19 @@ class GraphRunner(Inspection):
             graph, out = self._backend.capture(body, pool, bucket)
         ms = (time.perf_counter() - t0) * 1e3
         self._graphs[bucket] = _Captured(graph, out, bucket, self._manifest(),
-                                         _segments(marks, graph.node_count), ms)
+                                         _segments(marks, graph.node_count), ms,
+                                         frozenset({1} | {si.per_item for si in self._inputs}))
+
+    def _settle_slicing(self) -> None:
+        """An output is sliced only where every bucket agrees it is batched, at one per_item: a
+        first dim that equals bucket * per_item in one bucket only is a coincidence."""
+        caps = list(self._graphs.values())
+        for i in range(len(caps[0].out_rows)):
+            rows = {c.out_rows[i] if i < len(c.out_rows) else None for c in caps}
+            if len(rows) > 1 or (len(caps) > 1 and None in rows):
+                for c in caps:
+                    if i < len(c.out_rows):
+                        c.out_rows = c.out_rows[:i] + (None,) + c.out_rows[i + 1:]
 
     def _manifest(self) -> dict[str, int]:
         man = self._input_addresses()
@@ -475,14 +503,19 @@ class GraphRunner(Inspection):
         return self.fn(*args, **kwargs)
 
     def _check_frozen(self, args: tuple, kwargs: dict) -> ReplayError | None:
-        for name, want in self._frozen.items():
+        for name, (want, frozen) in self._frozen.items():
             live = self._arg(args, kwargs, name)
-            if live is want or _same_frozen(live, want):
+            if live is want and type(want) in _SCALARS:
                 continue
-            return ReplayError("a frozen argument differs from the capture", buffer=name,
-                               expected=f"{_describe(want)} (baked into the graph)", found=_describe(live),
-                               fix="pass the captured object, declare the argument in inputs=, or reset() and "
-                                   "capture again")
+            where = _first_change(_freeze(live), frozen, name)
+            if where is None:
+                continue
+            what = ("a frozen argument was changed in place since the capture" if live is want
+                    else "a frozen argument differs from the capture")
+            return ReplayError(what, buffer=where[0],
+                               expected=f"{where[1]} (baked into the graph)", found=where[2],
+                               fix="pass the captured object unchanged, declare the argument in inputs=, or reset() "
+                                   "and capture again")
         return None
 
     def _check_manifest(self, cap: _Captured) -> None:
@@ -498,33 +531,47 @@ class GraphRunner(Inspection):
                                       "it, or reset() and capture again")
         cap.checked = True
 
-def _same_frozen(live: Any, want: Any) -> bool:
-    """Would the graph captured with ``want`` compute what a call with ``live`` asks for? The same
-    tensor storage and view, equal scalars, containers of those, or the very same object."""
-    if live is want:
-        return True
-    if isinstance(want, torch.Tensor):
-        return (isinstance(live, torch.Tensor) and live.data_ptr() == want.data_ptr() and live.shape == want.shape
-                and live.stride() == want.stride() and live.dtype == want.dtype)
-    if isinstance(want, _SCALARS):
-        return type(live) is type(want) and live == want
-    if isinstance(want, (tuple, list)):
-        return (type(live) is type(want) and len(live) == len(want)
-                and all(_same_frozen(a, b) for a, b in zip(live, want)))
-    if isinstance(want, dict):
-        return (isinstance(live, dict) and live.keys() == want.keys()
-                and all(_same_frozen(live[k], want[k]) for k in want))
-    return False
-
-
-def _describe(v: Any) -> str:
+def _freeze(v: Any, depth: int = 0) -> Any:
+    """A structural copy of a frozen argument: tensors by address and layout, scalars by value,
+    containers element by element, anything else by identity."""
     if isinstance(v, torch.Tensor):
-        return f"{tuple(v.shape)} {v.dtype} at {v.data_ptr():#x}"
+        return ("tensor", v.data_ptr(), tuple(v.shape), v.stride(), v.dtype, str(v.device))
     if isinstance(v, _SCALARS):
-        return repr(v)
-    if isinstance(v, (tuple, list, dict)) and len(v) <= 4:
-        return repr(v) if len(repr(v)) < 80 else f"{type(v).__name__} of {len(v)}"
-    return f"{type(v).__qualname__} object at {id(v):#x}"
+        return ("scalar", type(v), "nan" if isinstance(v, float) and v != v else v)
+    if depth < 8 and isinstance(v, (tuple, list)):
+        return (type(v), tuple(_freeze(e, depth + 1) for e in v))
+    if depth < 8 and isinstance(v, dict):
+        return (type(v), tuple((k, _freeze(e, depth + 1)) for k, e in v.items()))
+    return ("object", id(v))
+
+
+def _first_change(live: Any, want: Any, path: str) -> tuple[str, str, str] | None:
+    """``(path, expected, found)`` of the first difference between two frozen copies, or None."""
+    if live == want:
+        return None
+    if live[0] == want[0] and want[0] in (tuple, list, dict) and len(live[1]) == len(want[1]):
+        for (a, b), i in zip(zip(live[1], want[1]), range(len(want[1]))):
+            if want[0] is dict:
+                if a[0] != b[0]:
+                    return path, f"key {b[0]!r}", f"key {a[0]!r}"
+                sub, a, b = f"{path}[{b[0]!r}]", a[1], b[1]
+            else:
+                sub = f"{path}[{i}]"
+            hit = _first_change(a, b, sub)
+            if hit is not None:
+                return hit
+    return path, _show(want), _show(live)
+
+
+def _show(frozen: Any) -> str:
+    kind = frozen[0]
+    if kind == "tensor":
+        return f"{frozen[2]} {frozen[4]} at {frozen[1]:#x}"
+    if kind == "scalar":
+        return repr(frozen[2])
+    if kind == "object":
+        return f"object at {frozen[1]:#x}"
+    return f"{kind.__name__} of {len(frozen[1])}"
 
 
 def _segments(marks: list[tuple[str, int]], total: int) -> tuple[Segment, ...]:
