@@ -22,8 +22,10 @@ examples:
   graphctl capture --max-batch 32 --draft-len 7 --plot latency.png --dot dots/
   graphctl capture mypkg.engine:make_target --buckets 1,2,4,8 --hard-fail-on-fallback
 
-exit codes: 0 clean; 1 verify mismatch or audit error; 2 bad options or TARGET;
-3 a batch size no graph served (with --hard-fail-on-fallback)."""
+exit codes: 0 clean; 1 verify mismatch, audit error or a forward that raised during capture
+(one line naming the bucket and the cause; --traceback for the full one); 2 bad options,
+TARGET or output path; 3 a batch size no graph served (with --hard-fail-on-fallback);
+130 interrupted (Ctrl-C)."""
 
 _BENCH = """\
 Run the benchmarks in bench/ (all, or the ones named), print their tables and write one JSON
@@ -98,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--iters", type=_positive, default=20, metavar="N",
                    help="timed calls per bucket for the medians, e.g. --iters 50 (default 20)")
     c.add_argument("--seed", type=int, default=0, help="seed of --verify's random inputs, e.g. --seed 7 (default 0)")
+    c.add_argument("--traceback", action="store_true",
+                   help="print the full traceback when the forward raises during capture (default: one line)")
     c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar during capture, e.g. --no-progress in logs (default: when stderr is a terminal)")
 
@@ -120,6 +124,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # graphctl restored every state on the way out; a traceback would only bury that line
+        print("graphctl: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     extra: list[str] = []
     if "--" in argv:  # everything after -- belongs to the benchmarks (graphctl bench ... -- --reps 20)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import graphctl
-from graphctl.errors import GraphctlError
+from graphctl.errors import CaptureError, GraphctlError
 
 __all__ = ["run_capture", "derive_buckets", "coverage_rows", "SCHEMA"]
 
@@ -151,6 +151,27 @@ def _plot(path: str, report) -> None:
     plt.close(fig)
 
 
+def _unwritable(args) -> str | None:
+    """Why an output path cannot be written, checked before any work starts (capturing a large
+    engine and then failing at the last step on a typo'd directory costs minutes)."""
+    for opt, path, is_dir in (("--json", args.json, False), ("--plot", args.plot, False), ("--dot", args.dot, True)):
+        if not path:
+            continue
+        if is_dir:
+            if os.path.exists(path) and not os.path.isdir(path):
+                return f"{opt} {path}: exists and is not a directory"
+            parent = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+        else:
+            if os.path.isdir(path):
+                return f"{opt} {path}: is a directory, expected a file path"
+            parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            return f"{opt} {path}: directory {parent} does not exist"
+        if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+            return f"{opt} {path}: not writable"
+    return None
+
+
 def run_capture(args) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -166,6 +187,10 @@ def run_capture(args) -> int:
         except ImportError as exc:
             con.print(f"[red]graphctl capture: --plot needs matplotlib ({exc}); pip install matplotlib, or drop --plot")
             return 2
+    bad = _unwritable(args)
+    if bad:
+        con.print(f"[red]graphctl capture: {escape(bad)}")
+        return 2
     use_cuda = backend == "cuda" or (backend == "auto" and torch.cuda.is_available())
     device = "cuda" if use_cuda else "cpu"
     # The factory's example holds max_batch items: every batch size up to it must be served.
@@ -183,7 +208,17 @@ def run_capture(args) -> int:
     runner = graphctl.GraphRunner(target.forward, buckets=buckets, state=target.state, inputs=target.inputs,
                                   backend="cuda" if use_cuda else "emulated", fallback="eager", params=target.params,
                                   progress=args.progress)
-    runner.capture_all(*target.example)
+    try:
+        runner.capture_all(*target.example)
+    except CaptureError as exc:
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        bucket = getattr(exc, "bucket", None)
+        where = f"bucket {bucket}" if bucket is not None else "capture"
+        con.print(f"[red]graphctl capture: {escape(where)} failed: {escape(f'{type(cause).__name__}: {cause}')}"
+                  + ("" if args.traceback else " (--traceback for the full one)"))
+        if args.traceback:
+            con.print_exception()
+        return 1
     runner.measure(iters=args.iters)
     verify: dict[int, list] = {}
     if args.verify:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import importlib.util
 import os
 import sys
@@ -78,10 +79,22 @@ def load_target(spec: str, **options: Any) -> CaptureTarget:
         except ImportError as exc:
             raise _bad(spec, f"module {mod_name} not importable ({exc})",
                        "install the package, or pass a file path: path/to/engine.py:make_target") from exc
+        except Exception as exc:  # the module itself raised while importing
+            raise _bad(spec, f"importing it raised {type(exc).__name__}: {exc}", "fix the module") from exc
     factory = vars(module).get(attr)
     if not callable(factory):
         raise _bad(spec, f"{mod_name} has no callable {attr}", f"define def {attr}(**options) -> CaptureTarget")
-    target = factory(**options)
+    try:
+        inspect.signature(factory).bind(**options)
+    except TypeError as exc:
+        raise _bad(spec, f"{attr}() cannot take the options {sorted(options)} ({exc})",
+                   f"define def {attr}(*, device, max_batch, draft_len, **more) -> CaptureTarget") from None
+    except ValueError:  # no signature to check (a builtin): the call says
+        pass
+    try:
+        target = factory(**options)
+    except Exception as exc:
+        raise _bad(spec, f"{attr}() raised {type(exc).__name__}: {exc}", "fix the factory") from exc
     if not isinstance(target, CaptureTarget):
         raise _bad(spec, f"{attr}() returned {type(target).__name__}", "return graphctl.CaptureTarget(...)")
     return target
