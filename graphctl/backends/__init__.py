@@ -1,5 +1,19 @@
-"""Declarations for attention-metadata families, each a spec and a reference metadata class
-that owns the same buffer set as the real engine, declared as data in :data:`BACKENDS`.
+"""Declarations for attention-metadata families, each a spec and a reference metadata class,
+declared as data in :data:`BACKENDS`.
+
+What they model, and what they leave out. Each family declares the graph-static buffers of
+TensorRT-LLM's draft switch that carry the bug classes graphctl exists for (the tables of
+``shared/reference/trtllm.md`` §2): the swapped KV manager and block tables/offsets, the
+mutable lengths and their runtime view, the derived token map, positions, slot mappings and
+indptrs, pinned host mirrors, and ``Stable`` top-k scratch. Every buffer with a batch
+(``seq``) or token axis has a padding policy: lengths pad with zero (padded requests are empty),
+block tables and offsets clamp into the pool. They leave out what no kernel of theirs reads:
+FlashMLA block ids and tile-scheduler metadata, the MLA cumulative-row buffers, the DSA
+paged-MQA scheduler buffers, ``kv_lens_cuda_2d``, expanded KV lengths, the ``_fullkv``
+slot-mapping aliases, the heuristic/radix feedback scratch, DSv4's compressed-attention
+buffers, host scalars frozen at capture, and spec-decoding masks and offsets. Their managers
+are synthetic (pool indices drawn at random); the reference engine in ``graphctl.models`` is
+the only forward that reads them.
 
 | family | extends | adds |
 |---|---|---|

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from graphctl.backends.dsa import DSAKVCacheManager, DSAMetadata, dsa_spec
-from graphctl.state import CopyInPlace, StateSpec, Swap
+from graphctl.state import CopyInPlace, Pad, StateSpec, Swap
 
 __all__ = ["DSv4KVCacheManager", "DeepseekV4Metadata", "deepseek_v4_spec", "not_supported_reasons"]
 
@@ -56,9 +56,11 @@ def not_supported_reasons(*, draft_compress_ratios: Sequence[int] = (1,)) -> lis
 
 def deepseek_v4_spec(name: str = "deepseek_v4", *, block_size: int, base: StateSpec | None = None) -> StateSpec:
     spec = StateSpec(name, extends=base or dsa_spec(block_size=block_size))
-    spec.buffer("sliding_block_tables", shape=("LS", "S", "B"), dtype=torch.int32, readers={"target"},
+    spec.buffer("sliding_block_tables", shape=("LS", "S", "B"), dtype=torch.int32, axis="seq", axis_dim=1,
+                pad=Pad.clamp(0), readers={"target"},
                 draft=Swap(twin="draft_sliding_block_tables"))
-    spec.buffer("draft_sliding_block_tables", shape=("LS", "S", "B"), dtype=torch.int32, readers={"draft"})
+    spec.buffer("draft_sliding_block_tables", shape=("LS", "S", "B"), dtype=torch.int32, axis="seq", axis_dim=1,
+                pad=Pad.clamp(0), readers={"draft"})
     spec.buffer("swa_buffer_ptrs", shape=("LS",), dtype=torch.int64,
                 draft=CopyInPlace(source=lambda m: m.draft_kv_cache_manager.swa_ptrs))
     spec.buffer("sparse_mla_base_ptrs", shape=("R",), dtype=torch.int64,

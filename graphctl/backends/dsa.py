@@ -21,7 +21,7 @@ import torch
 
 from graphctl.backends.paged import _cumsum, _page_and_offset
 from graphctl.backends.trtllm import TrtllmKVCacheManager, TrtllmMetadata, trtllm_spec
-from graphctl.state import CopyInPlace, Recompute, Stable, StateSpec, Swap
+from graphctl.state import CopyInPlace, Pad, Recompute, Stable, StateSpec, Swap
 
 __all__ = ["DSAKVCacheManager", "DSAMetadata", "dsa_spec", "INDEXER_HEAD_DIM"]
 
@@ -68,20 +68,21 @@ def _slot_fp8(out, token_positions, req_idx, offsets, s64, s32, *, block_size: i
 def dsa_spec(name: str = "dsa", *, block_size: int, base: StateSpec | None = None) -> StateSpec:
     spec = StateSpec(name, extends=base or trtllm_spec(block_size=block_size))
     src = CopyInPlace(source=lambda m: m.draft_kv_cache_manager.indexer_pool_indices())
-    spec.buffer("indexer_k_cache_block_offsets", shape=("S", "B"), dtype=torch.int32, readers={"target"},
+    spec.buffer("indexer_k_cache_block_offsets", shape=("S", "B"), dtype=torch.int32, axis="seq", pad=Pad.clamp(0), readers={"target"},
                 draft=Swap(twin="draft_indexer_k_cache_block_offsets"))
-    spec.buffer("draft_indexer_k_cache_block_offsets", shape=("S", "B"), dtype=torch.int32, readers={"draft"},
+    spec.buffer("draft_indexer_k_cache_block_offsets", shape=("S", "B"), dtype=torch.int32, axis="seq", pad=Pad.clamp(0), readers={"draft"},
                 refresh=src)
-    spec.buffer("host_indexer_k_cache_block_offsets", shape=("S", "B"), dtype=torch.int32, host=True,
+    spec.buffer("host_indexer_k_cache_block_offsets", shape=("S", "B"), dtype=torch.int32, axis="seq", pad=Pad.clamp(0), host=True,
                 readers={"target"}, draft=Swap(twin="host_draft_indexer_k_cache_block_offsets"))
-    spec.buffer("host_draft_indexer_k_cache_block_offsets", shape=("S", "B"), dtype=torch.int32, host=True,
+    spec.buffer("host_draft_indexer_k_cache_block_offsets", shape=("S", "B"), dtype=torch.int32, axis="seq", pad=Pad.clamp(0), host=True,
                 readers={"draft"})
     # positions already follow seq_lens, kv_lens and req_idx_per_token (the in-graph dependency list)
     inputs = ["token_positions", "req_idx_per_token", "indexer_k_cache_block_offsets", "scratch_i64", "scratch_i32"]
     for part, scale in (("fp8", False), ("scale", True)):
         spec.buffer(f"slot_mapping_{part}", shape=("T",), dtype=torch.int64, derive=Recompute(
             inputs, functools.partial(_slot_fp8, block_size=block_size, scale_part=scale)))
-    spec.buffer("block_table_expanded", shape=("TE", "B"), dtype=torch.int32, readers={"target"},
+    spec.buffer("block_table_expanded", shape=("TE", "B"), dtype=torch.int32, axis="token", pad=Pad.clamp(0),
+                readers={"target"},
                 draft=Swap(twin="draft_block_table_expanded"))
     spec.buffer("draft_block_table_expanded", shape=("TE", "B"), dtype=torch.int32, readers={"draft"},
                 derive=Recompute(["draft_block_table"], _expand))

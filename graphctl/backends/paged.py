@@ -102,13 +102,13 @@ def paged_spec(name: str = "paged", *, block_size: int) -> StateSpec:
     spec.object("draft_kv_cache_manager")
     spec.buffer("block_table", shape=("S", "B"), dtype=torch.int32, axis="seq", pad=Pad.clamp(0),
                 readers={"target"}, draft=Swap(twin="draft_block_table"))
-    spec.buffer("draft_block_table", shape=("S", "B"), dtype=torch.int32, readers={"draft"},
+    spec.buffer("draft_block_table", shape=("S", "B"), dtype=torch.int32, axis="seq", pad=Pad.clamp(0), readers={"draft"},
                 refresh=CopyInPlace(source=lambda m: m.draft_kv_cache_manager.pool_block_ids()))
     spec.buffer("seq_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), mutable=True)
     spec.buffer("kv_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), mutable=True,
                 aliases=("kv_lens_runtime",))
-    spec.buffer("host_seq_lens", shape=("S",), dtype=torch.int32, host=True, mutable=True)
-    spec.buffer("host_kv_lens", shape=("S",), dtype=torch.int32, host=True, mutable=True)
+    spec.buffer("host_seq_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), host=True, mutable=True)
+    spec.buffer("host_kv_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), host=True, mutable=True)
     spec.buffer("cu_seq_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(["seq_lens"], _cumsum))
     spec.buffer("cu_kv_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(["kv_lens"], _cumsum))
     spec.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, derive=Recompute(["seq_lens"], _token_map))
