@@ -13,7 +13,8 @@ installed ``SIGINT`` handler at that line (so a section that holds interrupts, s
 - ``poisoned``: the state refuses every use (``CorruptedStateError``): loud, allowed;
 - ``silent``: anything else with the state usable (the bug class this sweep exists to find);
 - ``stuck``: a switch is still active or owned, or the next switch is refused;
-- ``swallowed``: the operation returned normally: the Ctrl-C was lost.
+- ``swallowed``: the operation returned normally, or raised something else: the Ctrl-C was
+  lost or turned into another exception.
 
 Run it on your own backend in your tests (``setup`` must build the same object every time)::
 
@@ -45,7 +46,7 @@ class SweepReport:
     poisoned: tuple[int, ...]
     silent: tuple[tuple[int, str, str], ...]  # (point, file:line, what is wrong)
     stuck: tuple[tuple[int, str, str], ...]
-    swallowed: tuple[tuple[int, str], ...]
+    swallowed: tuple[tuple[int, str], ...]  # (point, file:line[ -> the exception raised instead])
 
     def __str__(self) -> str:
         return (f"{self.points} points: {len(self.clean)} clean, {len(self.poisoned)} poisoned, "
@@ -84,12 +85,12 @@ def _run(setup: Callable[[], tuple[BoundState, Callable[[], Any]]], files: Seque
     state, op = setup()
     before = _contents(state)
     tracer = _Tracer(files, fire_at)
-    interrupted = False
+    interrupted: BaseException | None = None
     sys.settrace(tracer)
     try:
         op()
-    except KeyboardInterrupt:
-        interrupted = True
+    except BaseException as exc:  # noqa: BLE001 - classified by the caller
+        interrupted = exc
     finally:
         sys.settrace(None)
     return state, before, tracer, interrupted
@@ -97,7 +98,7 @@ def _run(setup: Callable[[], tuple[BoundState, Callable[[], Any]]], files: Seque
 
 def _diagnose(state: BoundState, before: dict, done: dict) -> tuple[str, str] | None:
     """(kind, what) when the state is not clean; None when it is."""
-    if state.active_phase is not None or state._lock.locked():  # active_phase restores an orphan
+    if state.active_phase is not None:  # reading active_phase restores an orphaned switch first
         return "stuck", f"switch still active ({state.active_phase}) or owned"
     if state.poisoned is not None:
         return None
@@ -138,9 +139,9 @@ def interrupt_sweep(setup: Callable[[], tuple[BoundState, Callable[[], Any]]], *
         points = sorted({points[int(i * step)] for i in range(limit)})
     clean, poisoned, silent, stuck, swallowed = [], [], [], [], []
     for p in points:
-        state, before, tr, interrupted = _run(setup, files, p)
-        if not interrupted:
-            swallowed.append((p, tr.where))
+        state, before, tr, raised = _run(setup, files, p)
+        if not isinstance(raised, KeyboardInterrupt):  # lost, or turned into another exception
+            swallowed.append((p, tr.where if raised is None else f"{tr.where} -> {type(raised).__name__}"))
         bad = _diagnose(state, before, done)
         if bad is None:
             (poisoned if state.poisoned is not None else clean).append(p)

@@ -1,0 +1,348 @@
+"""Regression tests for the switch's edges (issue 14): interrupts, re-entrancy, threads, writes
+inside a switch, phase slots, forward-written buffers, padding dtypes, copies, views."""
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+
+import pytest
+import torch
+
+import graphctl
+from graphctl import (BindError, ConcurrentUseError, CopyInPlace, DeclarationError, NestedSwitchError, Pad,
+                      Recompute, Registry, StateSpec, Swap, SwitchError, bind)
+from graphctl.testing.interrupts import interrupt_sweep
+from mini import MiniMetadata, make_registry, make_spec
+
+
+def _contents(st) -> dict[str, torch.Tensor]:
+    return {n: st.tensor(n).clone() for n in st.restorable_names()}
+
+
+def _assert_same(st, before) -> None:
+    for n, t in before.items():
+        assert torch.equal(st.tensor(n), t), f"{n} not restored"
+
+
+def _sweep_setup(op_kind: str, phase: str = "eager"):
+    def setup():
+        meta = MiniMetadata(torch.Generator().manual_seed(11))
+        st = bind(meta, registry=make_registry())
+        if op_kind == "switch":
+            def op():
+                with st.switch("draft", phase):
+                    st.write("seq_lens", torch.ones(5, dtype=torch.int32))
+                    meta.block_offsets.add_(3)  # the forward writes the draft twin
+                    meta.spec_positions.add_(1)  # and a declared, non-mutable buffer
+        elif op_kind == "write":
+            def op():
+                st.write("kv_lens", torch.arange(1, 4, dtype=torch.int32))
+        else:
+            def op():
+                st.pad({"seq": 2})
+        return st, op
+    return setup
+
+
+@pytest.mark.parametrize("kind,phase", [("switch", "eager"), ("switch", "replay"), ("write", None), ("pad", None)])
+def test_ctrl_c_at_every_line_is_never_silent_never_stuck(kind, phase):
+    # Issue 14.1: a KeyboardInterrupt between bytecodes (e.g. after swap_through_ returned, before the switch
+    # recorded it) left draft contents unpoisoned (28 of 229 points) or the switch stuck active (3 points).
+    report = interrupt_sweep(_sweep_setup(kind, phase or "eager"))
+    assert report.points > 50, report
+    assert report.silent == () and report.stuck == () and report.swallowed == (), (str(report), report.silent,
+                                                                                  report.stuck, report.swallowed)
+
+
+def test_switch_from_inside_a_recompute_fn_is_refused_and_loses_nothing(gen):
+    # Issue 14.2: a switch issued from a Recompute fn overwrote the outer switch's snapshot slots.
+    holder: dict = {}
+
+    def token_map_that_switches(out, seq_lens):
+        if "st" in holder:
+            with holder["st"].switch("draft", "eager"):
+                pass
+        out.fill_(1)
+
+    spec = make_spec("reentrant")
+    spec2 = StateSpec("reentrant2", extends=spec)
+    spec2.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, override=True,
+                 derive=Recompute(inputs=["seq_lens"], fn=token_map_that_switches))
+    m = MiniMetadata(gen)
+    st = holder["st"] = bind(m, registry=make_registry(spec=spec2))
+    before = _contents(st)
+    with pytest.raises(NestedSwitchError, match="token_map_that_switches"):
+        st.write("seq_lens", torch.ones(5, dtype=torch.int32))
+    _assert_same(st, before)
+    assert st.poisoned is None and st.active_phase is None
+
+
+def test_write_from_inside_a_copy_source_is_refused(gen):
+    # Issue 14.2: a write issued from a CopyInPlace source was accepted in the middle of a switch.
+    holder: dict = {}
+
+    def source(m):
+        holder["st"].write("kv_lens", torch.ones(5, dtype=torch.int32))
+        return m.draft_positions
+
+    spec = StateSpec("reentrant-src", extends=make_spec())
+    spec.buffer("spec_positions", shape=("S",), dtype=torch.int64, draft=CopyInPlace(source=source), override=True)
+    m = MiniMetadata(gen)
+    st = holder["st"] = bind(m, registry=make_registry(spec=spec))
+    before = _contents(st)
+    with pytest.raises(NestedSwitchError, match="CopyInPlace source"):
+        with st.switch("draft", "eager"):
+            pass
+    _assert_same(st, before)
+    assert m.block_offsets is st.tensor("block_offsets") and st.poisoned is None
+
+
+def test_a_second_thread_gets_a_typed_error_never_corruption(gen):
+    # Issue 14.3: two threads switching one state left draft contents in 25 of 30 trials, with no error.
+    m = MiniMetadata(gen)
+    st = bind(m, registry=make_registry())
+    before = _contents(st)
+    errors: list[BaseException] = []
+    inside = threading.Event()
+    go_on = threading.Event()
+
+    def owner():
+        with st.switch("draft", "eager"):
+            st.write("seq_lens", torch.ones(5, dtype=torch.int32))
+            inside.set()
+            go_on.wait(10)
+
+    def intruder():
+        inside.wait(10)
+        for attempt in (lambda: st.switch("draft", "eager").__enter__(),
+                        lambda: st.write("kv_lens", torch.ones(5, dtype=torch.int32)),
+                        lambda: st.pad({"seq": 1})):
+            try:
+                attempt()
+            except BaseException as exc:  # noqa: BLE001 - recorded and checked below
+                errors.append(exc)
+        go_on.set()
+
+    threads = [threading.Thread(target=owner), threading.Thread(target=intruder)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert len(errors) == 3 and all(isinstance(e, ConcurrentUseError) for e in errors), errors
+    _assert_same(st, before)
+    assert st.poisoned is None and st.active_phase is None
+    # and many racing threads never corrupt: each either switches or is refused
+    refused = []
+
+    def racer():
+        for _ in range(20):
+            try:
+                with st.switch("draft", "eager"):
+                    st.write("seq_lens", torch.ones(5, dtype=torch.int32))
+            except ConcurrentUseError:
+                refused.append(1)
+
+    pool = [threading.Thread(target=racer) for _ in range(4)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(60)
+    _assert_same(st, before)
+    assert st.poisoned is None
+
+
+def _twin_spec() -> StateSpec:
+    spec = StateSpec("twin-derived")
+    spec.buffer("lens", shape=("S",), dtype=torch.int32, mutable=True, draft=Swap(twin="draft_lens"))
+    spec.buffer("draft_lens", shape=("S",), dtype=torch.int32, mutable=True, readers={"draft"})
+    spec.buffer("from_lens", shape=("S",), dtype=torch.int32, derive=Recompute(["lens"], lambda o, a: o.copy_(a * 2)))
+    spec.buffer("from_twin", shape=("S",), dtype=torch.int32,
+                derive=Recompute(["draft_lens"], lambda o, a: o.copy_(a + 7)))
+    return spec
+
+
+class _TwinMeta:
+    def __init__(self, gen):
+        self.lens = torch.randint(1, 50, (6,), generator=gen, dtype=torch.int32)
+        self.draft_lens = torch.randint(1, 50, (6,), generator=gen, dtype=torch.int32)
+        self.from_lens = torch.empty(6, dtype=torch.int32)
+        self.from_twin = torch.empty(6, dtype=torch.int32)
+
+
+def test_write_inside_a_switch_recomputes_everything_derived_from_the_written_storage(gen):
+    # Issue 14.4 (TensorRT-LLM #16925's class): write("lens") inside a switch landed in the twin but left buffers
+    # derived from the twin stale, and check() blamed "a write behind graphctl's back".
+    reg = Registry()
+    reg.register(_TwinMeta, _twin_spec())
+    m = _TwinMeta(gen)
+    st = bind(m, registry=reg)
+    before = _contents(st)
+    v = torch.randint(60, 90, (6,), generator=gen, dtype=torch.int32)
+    with st.switch("draft", "eager"):
+        st.write("lens", v)
+        assert torch.equal(m.draft_lens, v) and torch.equal(m.from_twin, v + 7) and torch.equal(m.from_lens, v * 2)
+        st.check()
+        st.write("draft_lens", v + 1)
+        assert torch.equal(m.from_lens, (v + 1) * 2) and torch.equal(m.from_twin, v + 8)
+        st.check()
+    _assert_same(st, before)
+    st.check()
+
+
+def test_forward_writes_to_declared_non_mutable_buffers_are_restored(gen):
+    # Issue 14.6: a declared buffer not marked mutable, written by the forward's kernels inside a switch, was
+    # neither restored nor flagged, while the guide promised a bitwise restore of every declared buffer.
+    m = MiniMetadata(gen)
+    st = bind(m, registry=make_registry())
+    before = _contents(st)
+    for phase in ("eager", "replay"):
+        with st.switch("draft", phase):
+            m.spec_positions.add_(5)
+            m.block_offsets.mul_(3)  # the twin inside eager, the original inside replay
+            m.req_idx_per_token.fill_(-9)
+        _assert_same(st, before)
+
+
+def test_pad_values_are_checked_against_the_dtype_at_bind(gen):
+    # Issue 14.9: Pad.clamp(-3) on uint8 padded with 253; Pad.fill(300) on int8 raised a raw RuntimeError halfway.
+    for dtype, pad in ((torch.uint8, Pad.clamp(-3)), (torch.int8, Pad.fill(300)), (torch.int32, Pad.fill(0.5))):
+        spec = StateSpec(f"pad-{dtype}")
+        spec.buffer("x", shape=("S",), dtype=dtype, axis="seq", pad=pad)
+
+        class M:
+            def __init__(self):
+                self.x = torch.ones(4, dtype=dtype)
+
+        reg = Registry()
+        reg.register(M, spec)
+        with pytest.raises(BindError, match="padding policy does not fit") as ei:
+            bind(M(), registry=reg)
+        assert ei.value.buffer == "x"
+
+
+def test_a_recompute_that_raises_rolls_the_write_back(gen):
+    # Issue 14.9: a write that failed after writing half left derived buffers stale and the state unpoisoned.
+    calls = {"n": 0}
+
+    def flaky(out, lens):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise RuntimeError("recompute failed")
+        out.copy_(lens)
+
+    spec = StateSpec("flaky")
+    spec.buffer("lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), mutable=True)
+    spec.buffer("copy", shape=("S",), dtype=torch.int32, derive=Recompute(["lens"], flaky))
+
+    class M:
+        def __init__(self):
+            self.lens = torch.randint(1, 9, (5,), generator=gen, dtype=torch.int32)
+            self.copy = torch.empty(5, dtype=torch.int32)
+
+    reg = Registry()
+    reg.register(M, spec)
+    m = M()
+    st = bind(m, registry=reg)  # computes 'copy' (call 1)
+    before = _contents(st)
+    for op in (lambda: st.write("lens", torch.full((3,), 77, dtype=torch.int32)), lambda: st.pad({"seq": 1})):
+        with pytest.raises(RuntimeError, match="recompute failed"):
+            op()
+        _assert_same(st, before)
+        assert st.poisoned is None
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_bound_state_refuses_to_be_copied(gen, how):
+    # Issue 14.10: copy.copy shared snapshot slots but not the active flag; deepcopy after a switch applied
+    # switches to the original object; pickling after a switch failed with AttributeError.
+    m = MiniMetadata(gen)
+    st = bind(m, registry=make_registry())
+    with st.switch("draft", "eager"):
+        pass
+    do = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
+    with pytest.raises(SwitchError, match="cannot be"):
+        do(st)
+
+
+def test_a_view_at_the_same_address_with_other_strides_is_not_the_bound_buffer(gen):
+    # Issue 14.11: an expand or a transpose at the same address passed the rebinding check, and derived buffers
+    # were computed from it.
+    m = MiniMetadata(gen, S=4, B=4)
+    st = bind(m, registry=make_registry())
+    bound = m.block_offsets
+    m.block_offsets = bound.t()  # same address, same shape (4x4), other strides
+    with pytest.raises(SwitchError, match="rebound") as ei:
+        st.write("kv_lens", torch.ones(4, dtype=torch.int32))  # slot_mapping reads block_offsets
+    assert ei.value.buffer == "block_offsets"
+    with pytest.raises(SwitchError, match="rebound"):
+        st.switch("draft", "eager").__enter__()
+    m.block_offsets = bound
+    m.kv_lens = m.kv_lens[:1].expand(4)  # same first address, stride 0
+    with pytest.raises(SwitchError, match="rebound"):
+        st.write("seq_lens", torch.ones(4, dtype=torch.int32))
+
+
+def test_deleting_a_declared_attribute_is_a_typed_error(gen):
+    # Issue 14 (errors): `del` of a declared attribute gave a raw AttributeError from a padding recompute.
+    m = MiniMetadata(gen)
+    st = bind(m, registry=make_registry())
+    del m.kv_lens
+    with pytest.raises(SwitchError, match="deleted"):
+        st.pad({"seq": 2})
+
+
+def test_recompute_fn_of_the_wrong_arity_is_refused_at_declaration():
+    # Issue 14 (errors): a Recompute fn of the wrong arity gave a raw TypeError at the first switch.
+    with pytest.raises(DeclarationError, match="cannot take"):
+        Recompute(inputs=["a", "b"], fn=lambda out, a: None)
+    Recompute(inputs=["a", "b"], fn=lambda out, *ins: None)  # variadic is fine
+
+
+def test_write_of_a_value_that_requires_grad_keeps_no_history(gen):
+    # Issue 14 (errors): write() of a requires-grad value left the buffer with autograd history and every later
+    # switch failed with a raw RuntimeError.
+    spec = StateSpec("grad")
+    spec.buffer("w", shape=("S",), dtype=torch.float32, mutable=True)
+
+    class M:
+        def __init__(self):
+            self.w = torch.randn(3, generator=gen)
+
+    reg = Registry()
+    reg.register(M, spec)
+    m = M()
+    st = bind(m, registry=reg)
+    st.write("w", torch.randn(3, generator=gen, requires_grad=True) * 2)
+    assert m.w.grad_fn is None and not m.w.requires_grad
+    with st.switch("draft", "eager"):
+        st.write("w", torch.randn(3, generator=gen, requires_grad=True))
+    assert m.w.grad_fn is None
+
+
+def test_bind_computes_derived_buffers(gen):
+    # Issue 14 (also wrong): bind() did not compute derived buffers, so a fresh state failed check() blaming the
+    # user.
+    m = MiniMetadata(gen)
+    m.req_idx_per_token.fill_(-5)
+    m.slot_mapping.fill_(-5)
+    st = bind(m, registry=make_registry())
+    st.check()
+
+
+def test_interrupted_exit_is_restored_at_the_next_use(gen):
+    # Issue 14.1: an interrupt delivered as __exit__ starts (before its first line) skips the restore; the
+    # state's next use in the thread restores the orphaned switch instead of refusing every later switch.
+    m = MiniMetadata(gen)
+    st = bind(m, registry=make_registry())
+    before = _contents(st)
+
+    def leave_without_exit():
+        sw = st.switch("draft", "eager")
+        sw.__enter__()
+        sw.frame = __import__("sys")._getframe(0)  # as if a with-statement in this frame had entered it
+
+    leave_without_exit()
+    assert st.active_phase is None  # recovered
+    _assert_same(st, before)
+    assert m.kv_cache_manager is st._objects["kv_cache_manager"]
