@@ -53,3 +53,37 @@ def target_reads_refreshed(*, device: str, max_batch: int, **_) -> CaptureTarget
 
 def not_a_target(**_):
     return {"forward": None}
+
+
+def raises_in_factory(*, device: str, max_batch: int, **_) -> CaptureTarget:
+    raise RuntimeError("the factory could not build its model")
+
+
+def wrong_signature(device):  # no max_batch/draft_len keywords
+    raise AssertionError("never called")
+
+
+def forward_raises(*, device: str, max_batch: int, **_) -> CaptureTarget:
+    """The forward raises while a bucket is being captured."""
+    from graphctl.state.phase import is_recording
+
+    def fwd(x):
+        if is_recording() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            raise ValueError("shape mismatch in layer 3")
+        return x * 2
+
+    x = torch.randn(max_batch, 4, generator=torch.Generator().manual_seed(2)).to(device)
+    return CaptureTarget(forward=fwd, example=(x,), inputs=["x"], name="forward_raises")
+
+
+def interrupted(*, device: str, max_batch: int, **_) -> CaptureTarget:
+    """Ctrl-C during the capture."""
+    from graphctl.state.phase import is_recording
+
+    def fwd(x):
+        if is_recording() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            raise KeyboardInterrupt
+        return x * 2
+
+    x = torch.randn(max_batch, 4, generator=torch.Generator().manual_seed(2)).to(device)
+    return CaptureTarget(forward=fwd, example=(x,), inputs=["x"], name="interrupted")
