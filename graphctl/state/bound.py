@@ -539,27 +539,28 @@ class BoundState:
 
     def _snapshot_step(self, g: Group) -> Step:
         statics, arenas = list(g.statics), list(g.arenas)
+        sources = statics.copy() if g.copies else statics
         validated: dict[int, Any] = {}  # copy index -> the source object last checked
 
         def use_error(name, what, expected, found, fix):
             return SwitchError(what, buffer=name, expected=expected, found=found, fix=fix)
 
+        def prepare() -> None:  # look the copy sources up and check them; writes nothing
+            for i, name, act in g.copies:
+                src = self._source(act)
+                if validated.get(i) is not src:  # the same tensor object as last time needs no re-check
+                    self._check_source(name, src, "source", use_error)
+                    validated[i] = src
+                sources[i] = src
+
         def apply() -> None:
-            sources = statics
-            if g.copies:
-                sources = statics.copy()
-                for i, name, act in g.copies:
-                    src = self._source(act)
-                    if validated.get(i) is not src:  # the same tensor object as last time needs no re-check
-                        self._check_source(name, src, "source", use_error)
-                        validated[i] = src
-                    sources[i] = src
             ops.swap_through_(statics, arenas, sources, validate=False)  # checked at bind
 
         def undo() -> None:
             ops.copy_(statics, arenas, validate=False)
 
-        return Step(f"snapshot[{g.device}]({', '.join(g.names)})", apply, undo, recorded=g.device.type == "cuda")
+        return Step(f"snapshot[{g.device}]({', '.join(g.names)})", apply, undo, recorded=g.device.type == "cuda",
+                    prepare=prepare if g.copies else None)
 
     def _rebind_step(self, name: str, twin: str) -> Step:
         obj = self.obj

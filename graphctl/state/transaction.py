@@ -47,13 +47,17 @@ class Step:
     whose ``undo`` is right whether ``apply`` ran fully, partly or not at all (a rebind, a
     recompute): the transaction records it as applied *before* applying it, so an apply that
     raises halfway is still undone. Other steps (a snapshot) count only once ``apply`` returned:
-    undo never "restores" from an arena that was never filled."""
+    undo never "restores" from an arena that was never filled. Their ``prepare`` (checks and
+    source look-ups, which change nothing) runs first; an ``apply`` of theirs that raises may
+    have written part of its buffers, which no undo can tell apart, so it poisons the state."""
 
-    __slots__ = ("name", "apply", "undo", "recorded", "idempotent")
+    __slots__ = ("name", "apply", "undo", "recorded", "idempotent", "prepare")
 
     def __init__(self, name: str, apply: Callable[[], None], undo: Callable[[], None],
-                 recorded: bool = False, idempotent: bool = False) -> None:
-        self.name, self.apply, self.undo, self.recorded, self.idempotent = name, apply, undo, recorded, idempotent
+                 recorded: bool = False, idempotent: bool = False,
+                 prepare: Callable[[], None] | None = None) -> None:
+        self.name, self.apply, self.undo, self.recorded = name, apply, undo, recorded
+        self.idempotent, self.prepare = idempotent, prepare
 
 
 class Switch:
@@ -94,6 +98,7 @@ class Switch:
         # A held interrupt is delivered as the section ends; if it raises, the entry is undone
         # (still held, by on_interrupt) since the with-statement never calls __exit__ for an
         # __enter__ that raised. The outer try covers the few bytecodes after the hold ends.
+        partial: list[tuple[str, BaseException]] = []  # a snapshot that raised partway: cannot be undone
         try:
             with deferred(on_interrupt=self._unwind):
                 st._claim(self)  # refuses poisoned, nested, re-entrant and concurrent use; owns the state
@@ -115,12 +120,21 @@ class Switch:
                             self.applied.append(step)
                             step.apply()
                         else:
-                            step.apply()
+                            if step.prepare is not None:
+                                step.prepare()
+                            try:
+                                step.apply()
+                            except BaseException as err:
+                                partial.append((f"{step.name} (raised partway)", err))
+                                raise
                             self.applied.append(step)
                         st._hook("apply", step.name, "after")
                 except BaseException as exc:
-                    for name, err in self._unwind():
-                        exc.add_note(f"graphctl: undo of {name} failed ({type(err).__name__}: {err}); "
+                    failures = self._unwind() + partial
+                    if partial:
+                        st._poison(failures)
+                    for name, err in failures:
+                        exc.add_note(f"graphctl: {name} could not be undone ({type(err).__name__}: {err}); "
                                      "state poisoned")
                     raise
             return self
