@@ -97,6 +97,7 @@ class BoundState:
         self._write_groups: dict[tuple[str | None, str], tuple[tuple[str, ...], list, list]] = {}
         self._poisoned: tuple[str, ...] | None = None
         self._fault_hook: FaultHook | None = None
+        self._user_hook: Callable[[str], None] | None = None  # test seam: runs as a user callable starts
         self._observers: list[Callable[[str, str, str], None]] = []
         self._scratch: dict[str, torch.Tensor] = {}
         self._step_cache: dict[str, tuple[Step, ...]] = {}
@@ -439,6 +440,8 @@ class BoundState:
     def _call_user(self, label: str, fn: Callable[..., Any], *args: Any) -> Any:
         prev, self._in_user = self._in_user, f"{label} ({getattr(fn, '__qualname__', type(fn).__name__)})"
         try:
+            if self._user_hook is not None:
+                self._user_hook(self._in_user)
             return fn(*args)
         finally:
             self._in_user = prev

@@ -34,7 +34,7 @@ import torch
 from graphctl.errors import CorruptedStateError, GraphctlError
 from graphctl.state import BoundState
 
-__all__ = ["SweepReport", "interrupt_sweep"]
+__all__ = ["SweepReport", "interrupt_sweep", "call_interrupted"]
 
 _STATE_FILES = (os.path.join("graphctl", "state") + os.sep, os.path.join("graphctl", "ops") + os.sep)
 
@@ -71,6 +71,21 @@ class _Tracer:
                 if callable(handler):
                     handler(signal.SIGINT, frame)  # what CPython does when Ctrl-C arrives here
         return self._line
+
+
+def call_interrupted(op: Callable[[], Any], at: int, files: Sequence[str] = _STATE_FILES) -> tuple[Any, str]:
+    """Run ``op`` with Ctrl-C delivered at the ``at``-th line executed in ``files``: returns
+    ``(what op returned, or the exception it raised, and where the interrupt was delivered)``;
+    ``where`` is empty when ``op`` ran fewer lines."""
+    tracer = _Tracer(files, at)
+    sys.settrace(tracer)
+    try:
+        out = op()
+    except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+        out = exc
+    finally:
+        sys.settrace(None)
+    return out, tracer.where
 
 
 def _contents(state: BoundState) -> dict[str, torch.Tensor]:

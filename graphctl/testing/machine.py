@@ -11,23 +11,30 @@ spec, a generator for values)::
 
     TestMyBackend = MyBackendMachine.TestCase
 
-Rules: writes (outside and inside a switch), switch enter/exit in every phase, bodies raising
-``Exception`` and ``BaseException``, faults injected before/after any apply, undo or restore
-step, nested switch attempts. Invariants after every step: outside a switch every buffer is
-bitwise what the model says (or the state is poisoned and refuses all use, exactly when an
-undo or restore fault fired); derived buffers equal ``fn(inputs)``; addresses and attribute
-bindings unchanged; no allocation inside a switch.
+Rules: writes (outside and inside a switch, each followed by a consistency check), switch
+enter/exit in every phase, bodies raising ``Exception`` and ``BaseException``, faults injected
+before/after any apply, undo or restore step and *inside* the fused snapshot and restore ops
+(half the buffers written, then a raise), nested switch attempts, switches and writes issued
+from inside the state's own user callables (``Recompute`` fns, ``CopyInPlace`` sources), and a
+second thread using the state while a switch owns it. Invariants after every step: outside a
+switch every buffer is bitwise what the model says (or the state is poisoned and refuses all
+use, exactly when an undo, restore or in-op fault fired); derived buffers equal ``fn(inputs)``,
+recomputed here from the current bindings without going through graphctl; addresses and
+attribute bindings unchanged; no allocation inside a switch.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import threading
+from typing import Any, Iterator
 
 import torch
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from graphctl.errors import CorruptedStateError, NestedSwitchError, StaleBufferError, SwitchError
+from graphctl import ops
+from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitchError, StaleBufferError, SwitchError
 from graphctl.state import PHASES, bind
 from graphctl.testing.alloc import AllocationTracker
 from graphctl.testing.strategies import Case, cases
@@ -41,6 +48,29 @@ class InjectedFault(Exception):
 
 class InjectedInterrupt(BaseException):
     """A ``KeyboardInterrupt``-like fault: not an ``Exception``."""
+
+
+@contextlib.contextmanager
+def _partial_op(name: str, fired: list[str], stage: str) -> Iterator[None]:
+    """Make the next call of ``ops.<name>`` write its first half of the buffers, then raise."""
+    real = getattr(ops, name)
+    armed = [True]
+
+    def half_then_raise(statics, arenas, *rest, validate=True):
+        if not armed[0]:  # fire once
+            return real(statics, arenas, *rest, validate=validate)
+        armed[0] = False
+        k = len(statics) // 2
+        if k:
+            real(statics[:k], arenas[:k], *(r[:k] for r in rest), validate=validate)
+        fired.append(stage)
+        raise InjectedFault(f"{name} failed after {k} of {len(statics)} buffers")
+
+    setattr(ops, name, half_then_raise)
+    try:
+        yield
+    finally:
+        setattr(ops, name, real)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -87,7 +117,7 @@ class SwitchMachine(RuleBasedStateMachine):
                     raise f[3](f"injected at {stage} {when} {step}")
 
     def _expect_poisoned(self) -> bool:
-        return any(s in ("undo", "restore") for s in self.fired)
+        return any(s in ("undo", "restore", "inside") for s in self.fired)
 
     # -------------------------------------------------------------------------- rules
 
@@ -122,6 +152,8 @@ class SwitchMachine(RuleBasedStateMachine):
         self.state.write(name, value)
         if self.switch is None:
             self._model_write(name, value)
+        else:
+            self._check_inside()  # a write inside a switch leaves every derived buffer = fn(inputs) as bound now
 
     def _model_write(self, name: str, value: torch.Tensor) -> None:
         d = self.plan.buffers[name]
@@ -175,7 +207,19 @@ class SwitchMachine(RuleBasedStateMachine):
         pp = self.plan.phases[self.switch.phase]
         for name, twin in pp.swaps:
             assert getattr(self.case.obj, name) is self.bindings[twin], f"{name} not swapped to {twin}"
+        self._derived_consistent()
         self.state.check()
+
+    def _derived_consistent(self) -> None:
+        """Every derived buffer equals its fn over the inputs bound *now*, recomputed here into a
+        scratch copy, without graphctl's own recompute path (which could share a bug)."""
+        obj = self.case.obj
+        for name in self.plan.order:
+            rc = self.plan.buffers[name].derive
+            live = getattr(obj, name)
+            want = torch.empty_like(live)
+            rc.fn(want, *(getattr(obj, i) for i in rc.inputs))
+            assert torch.equal(_bytes(live), _bytes(want)), f"derived buffer {name} != fn(inputs) as bound now"
 
     @precondition(lambda self: self.switch is not None)
     @rule(body=st.sampled_from([None, InjectedFault, InjectedInterrupt]))
@@ -192,6 +236,104 @@ class SwitchMachine(RuleBasedStateMachine):
         assert not swallowed, "a switch must never swallow the body's exception"
         assert not alloc.allocations, f"switch exit allocated: {alloc.allocations}"
         assert "restore" not in self.fired[n_fired:], "a restore fault fired but exit reported success"
+
+    @precondition(lambda self: self.state.poisoned is None and self.switch is None and not self.faults)
+    @rule(data=st.data())
+    def enter_with_fault_inside_the_snapshot(self, data: Any) -> None:
+        """The fused snapshot raises after writing half its buffers: no undo can tell which
+        half, so the state must be poisoned (never a silent partial restore)."""
+        phase = data.draw(st.sampled_from(self.phases), label="phase")
+        cm = self.state.switch("draft", phase)
+        n_fired = len(self.fired)
+        with _partial_op("swap_through_", self.fired, "inside"):
+            try:
+                cm.__enter__()
+            except InjectedFault:
+                assert self.state.poisoned is not None, "a snapshot that raised partway left the state usable"
+                return
+        assert len(self.fired) == n_fired, "an in-op fault fired but entry succeeded"
+        self.switch = cm  # the phase snapshots nothing: entry completed
+        self._check_inside()
+
+    @precondition(lambda self: self.switch is not None and not self.faults)
+    @rule()
+    def exit_with_fault_inside_the_restore(self) -> None:
+        """The fused restore raises after writing half its buffers: the state is poisoned."""
+        cm, self.switch = self.switch, None
+        n_fired = len(self.fired)
+        with _partial_op("copy_", self.fired, "inside"):
+            try:
+                cm.__exit__(None, None, None)
+            except CorruptedStateError:
+                assert "inside" in self.fired[n_fired:], "CorruptedStateError without a fault"
+                return
+        assert len(self.fired) == n_fired, "an in-op fault fired but exit reported success"
+
+    @precondition(lambda self: self.state.poisoned is None and not self.faults)
+    @rule(data=st.data())
+    def reenter_from_a_user_callable(self, data: Any) -> None:
+        """A switch, write, pad or check issued from inside a Recompute fn or a CopyInPlace
+        source is refused (NestedSwitchError) and changes nothing."""
+        attempts: list[tuple[str, BaseException | None]] = []
+        target = self.names[0]
+
+        def reenter(label: str) -> None:
+            for what, call in (("switch", lambda: self.state.switch("draft", "eager").__enter__()),
+                               ("write", lambda: self.state.write(target, getattr(self.case.obj, target).clone())),
+                               ("pad", lambda: self.state.pad({"seq": 0})), ("check", self.state.check)):
+                try:
+                    call()
+                except NestedSwitchError as exc:
+                    attempts.append((what, exc))
+                    assert label in str(exc), f"the refusal does not name the callable: {exc}"
+                else:
+                    attempts.append((what, None))
+
+        derived = list(self.plan.order)
+        self.state._user_hook = reenter
+        try:
+            if self.switch is None and derived:
+                # a write to an input of a derived buffer runs its Recompute fn
+                name = next((n for n in self.names if self.plan.dependents[n] and not self.plan.buffers[n].derive), None)
+                if name is None:
+                    return
+                value = self.case.value(name)
+                self.state.write(name, value)
+                self._model_write(name, value)
+            elif self.switch is None:
+                return
+            else:
+                self.state.check()
+        finally:
+            self.state._user_hook = None
+        bad = [w for w, e in attempts if e is None]
+        assert not bad, f"re-entrant {bad} from a user callable were accepted"
+
+    @precondition(lambda self: self.switch is not None and self.state.poisoned is None)
+    @rule()
+    def second_thread(self) -> None:
+        """While this thread's switch owns the state, another thread's switch, write and pad
+        get ConcurrentUseError and change nothing."""
+        before = {n: _bytes(getattr(self.case.obj, n)) for n in self.names}
+        target = next((n for n in self.names if not self.plan.buffers[n].derive), self.names[0])
+        seen: list[BaseException | None] = []
+
+        def other() -> None:
+            for call in (lambda: self.state.switch("draft", "eager").__enter__(),
+                         lambda: self.state.write(target, getattr(self.case.obj, target).clone()),
+                         lambda: self.state.pad({"seq": 0})):
+                try:
+                    call()
+                    seen.append(None)
+                except BaseException as exc:  # noqa: BLE001 - checked below
+                    seen.append(exc)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(30)
+        assert all(isinstance(e, ConcurrentUseError) for e in seen) and len(seen) == 3, seen
+        for n in self.names:
+            assert torch.equal(before[n], _bytes(getattr(self.case.obj, n))), f"another thread changed {n}"
 
     @precondition(lambda self: self.state.poisoned is not None)
     @rule(data=st.data())
@@ -234,6 +376,7 @@ class SwitchMachine(RuleBasedStateMachine):
                 v = getattr(self.case.obj, alias)
                 assert v.data_ptr() >= self.bindings[d.name].data_ptr() and \
                     v.untyped_storage().data_ptr() == self.bindings[d.name].untyped_storage().data_ptr(), alias
+        self._derived_consistent()
         try:
             self.state.check()
         except StaleBufferError as e:

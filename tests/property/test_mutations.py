@@ -1,0 +1,100 @@
+"""The shipped state machines must catch planted bugs (issue 14: they passed their thorough
+profile with real bugs present). Each mutation patches one piece of graphctl the way a plausible
+regression would; the machine, at the CI profile, must fail on it."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+import graphctl.state.arena as arena
+from graphctl.state import bound, plan as plan_mod, transaction
+from graphctl.testing import GraphMachine, SwitchMachine
+
+
+@contextlib.contextmanager
+def _patched(obj, name, value) -> Iterator[None]:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def _skip_one_undo():
+    real = transaction.Switch._undo
+
+    def undo(self, stage):
+        if self.applied:
+            self.applied.pop(0)  # forget the first applied step: it is never undone
+        return real(self, stage)
+
+    return _patched(transaction.Switch, "_undo", undo)
+
+
+def _recompute_reads_unswapped_inputs():
+    def recompute(self, name, out=None):
+        rc = self.plan.buffers[name].derive
+        target = getattr(self.obj, name) if out is None else out
+        inputs = [self._tensors.get(i, self._objects.get(i)) for i in rc.inputs]  # bind-time, not as bound now
+        self._call_user(f"the Recompute fn of '{name}'", rc.fn, target, *inputs)
+
+    return _patched(bound.BoundState, "_recompute", recompute)
+
+
+def _write_recomputes_direct_dependents_only():
+    def closure(self, names):
+        direct = {d for d in self.order if any(i in names for i in self.buffers[d].derive.inputs)}
+        return tuple(d for d in self.order if d in direct)
+
+    return _patched(plan_mod.Plan, "closure", closure)
+
+
+def _phases_share_slots():
+    real = arena.allocate_arenas
+
+    def shared(plan, tensors, device):
+        out = real(plan, tensors, device)
+        for (fam, n) in list(out):
+            if fam in ("replay", "eager") and ("capture", n) in out:
+                out[fam, n] = out["capture", n]  # the pre-fix layout: one family for every phase
+        return out
+
+    return _patched(bound, "allocate_arenas", shared)
+
+
+def _no_poisoning():
+    real = bound.BoundState._poison
+
+    def poison(self, failures):
+        err = real(self, failures)
+        self._poisoned = None  # the error is built, the state stays "usable"
+        return err
+
+    return _patched(bound.BoundState, "_poison", poison)
+
+
+MUTATIONS = {
+    "skip one undo": (_skip_one_undo, SwitchMachine),
+    "recompute reads the unswapped input": (_recompute_reads_unswapped_inputs, SwitchMachine),
+    "write recomputes only direct dependents": (_write_recomputes_direct_dependents_only, SwitchMachine),
+    "slot collision between phases": (_phases_share_slots, GraphMachine),
+    "missing poisoning": (_no_poisoning, SwitchMachine),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_the_machine_catches_a_planted_bug(name):
+    patch, machine = MUTATIONS[name]
+    base = settings()  # the loaded profile (ci in CI)
+    fast = settings(base, phases=[Phase.generate], database=None, print_blob=False,
+                    max_examples=base.max_examples // (4 if machine is GraphMachine else 1),
+                    suppress_health_check=list(HealthCheck))
+    with patch():
+        with pytest.raises(BaseException) as ei:  # noqa: PT011 - checked below
+            run_state_machine_as_test(machine, settings=fast)
+    assert isinstance(ei.value, AssertionError), repr(ei.value)  # caught by an invariant, not a crash
