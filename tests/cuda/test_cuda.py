@@ -126,6 +126,45 @@ def test_switch_recorded_in_graph_adds_two_nodes_and_replays_transactionally(gen
         assert torch.equal(st.tensor(n), before[n]), n
 
 
+def test_switch_recorded_in_graph_replays_with_live_contents_and_restores(gen):
+    # The test above never replayed: a recorded switch must, at every replay, read the live draft twin and
+    # write-through contents, and leave every declared buffer as it found it.
+    from mini import slots
+
+    m = MiniMetadata(gen, S=64, B=16, k=3, device="cuda")
+    st = bind(m, registry=make_registry())
+    out = torch.empty(64, dtype=torch.int64, device="cuda")
+    bump = torch.full((64,), 5, dtype=torch.int32, device="cuda")
+    lens = torch.empty(64, dtype=torch.int32, device="cuda")
+
+    def body():
+        with st.switch("draft"):
+            torch.add(m.kv_lens, bump, out=lens)
+            st.write("kv_lens", lens)  # slot_mapping recomputed from the draft twin and the new lens
+            out.copy_(m.slot_mapping)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        body()
+    for _ in range(3):
+        st.write("kv_lens", torch.randint(1, 900, (64,), generator=gen, dtype=torch.int32).cuda())
+        st.write("draft_block_offsets", torch.randint(0, 1000, (64, 16), generator=gen, dtype=torch.int32).cuda())
+        before = {n: st.tensor(n).clone() for n in st.restorable_names()}
+        want = torch.empty_like(out)
+        slots(want, m.draft_block_offsets, m.kv_lens + 5)
+        out.fill_(-(2**40))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        for n, t in before.items():
+            assert torch.equal(st.tensor(n), t), f"{n} not restored by the replayed switch"
+
+
 def test_switch_allocates_nothing_on_cuda(gen):
     m = MiniMetadata(gen, S=64, B=16, k=3, device="cuda")
     st = bind(m, registry=make_registry())

@@ -326,3 +326,69 @@ def test_segment_audit_is_clean_on_a_forward_that_honours_its_readers(toy):
     audits = toy.forward.audit()
     assert set(audits) == set(toy.forward.captured)
     assert not [f for a in audits.values() for f in a.errors], audits
+
+
+def test_runner_pads_the_state_tails_before_every_replay(toy, gen):
+    # Issue 14 (tests that could not fail): the tail the padding test checked was already zero, since
+    # batch() writes seq_lens through state.write (which pads); here the tails hold garbage first.
+    check_replay_matches_eager(toy, [4])
+    for n in (3, 2, 1):
+        tokens, positions = toy.batch(n)
+        toy.meta.seq_lens[n:].fill_(77)  # behind graphctl's back: only the runner's pad can clean it
+        toy.meta.kv_lens[n:].fill_(77)
+        toy.forward(tokens, positions, toy.meta)
+        b = toy.forward.buckets.pick(n)
+        assert torch.equal(toy.meta.seq_lens[n:b], torch.zeros_like(toy.meta.seq_lens[n:b])), n
+        assert torch.equal(toy.meta.kv_lens[n:b], torch.zeros_like(toy.meta.kv_lens[n:b])), n
+        toy.state.pad({"seq": n})  # leave the state consistent for the next round
+        toy.state.check()
+
+
+def test_verify_poisons_outputs_before_the_replay(gen):
+    # Issue 14 (tests that could not fail): nothing failed when verify's output poisoning was removed. A
+    # forward whose graph never writes its output (a host flag was False at capture) leaves the static
+    # output holding what the eager run just wrote: only poisoning tells the replay did not write it.
+    out = torch.zeros(8, 4)
+    flag = [False]
+
+    def fwd(x):
+        if flag[0]:
+            out[: x.shape[0]].copy_(x * 2)
+        return out[: x.shape[0]]
+
+    r = graphctl.graphed(fwd, buckets=[4, 8], inputs=["x"], backend="emulated", progress=False)
+    r.capture_all(torch.randn(8, 4, generator=gen))
+    flag[0] = True
+    res = r.verify(gen=torch.Generator().manual_seed(1))
+    assert not all(v.ok for v in res), [str(v) for v in res]
+
+
+def test_every_bucket_is_captured_into_one_shared_pool(gen, monkeypatch):
+    # Issue 14 (tests that could not fail): nothing failed when the shared pool became one pool per bucket.
+    from graphctl.graphs.emulated import EmulatedBackend
+
+    pools, seen = [], []
+    real_capture = EmulatedBackend.capture
+    monkeypatch.setattr(EmulatedBackend, "new_pool", lambda self: pools.append(object()) or pools[-1])
+    monkeypatch.setattr(EmulatedBackend, "capture",
+                        lambda self, body, pool, bucket: seen.append(pool) or real_capture(self, body, pool, bucket))
+    toy = Toy("cpu", gen)
+    check_replay_matches_eager(toy, [3])
+    assert len(pools) == 1 and len(seen) == 5 and all(p is pools[0] for p in seen)
+
+
+def test_garbage_collection_is_off_during_capture(gen):
+    # Issue 14 (tests that could not fail): nothing failed when GC was left on during capture.
+    import gc
+
+    states = []
+
+    def fwd(x):
+        if graphctl.state.phase.is_recording():
+            states.append(gc.isenabled())
+        return x + 1
+
+    r = graphctl.graphed(fwd, buckets=[2, 4], inputs=["x"], backend="emulated", progress=False)
+    assert gc.isenabled()
+    r.capture_all(torch.randn(4, 2, generator=gen))
+    assert states == [False, False] and gc.isenabled()
