@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from graphctl import (BindError, CaptureError, CopyInPlace, CorruptedStateError, DeclarationError, NestedSwitchError,
+from graphctl import (BindError, CaptureError, ConcurrentUseError, CopyInPlace, CorruptedStateError, DeclarationError, NestedSwitchError,
                       Pad, Recompute, Registry, ReplayError, Stable, StaleBufferError, StateSpec, StaticInput, Swap,
                       SwitchError, bind, graphed)
 from mini import MiniMetadata, make_registry
@@ -114,6 +114,73 @@ def _restore_fails():
         if stage == "restore" and step.startswith("snapshot") else None
     with st.switch("draft", "eager"):
         pass
+
+
+def _reentrant():
+    m, st = _mini()
+    st._user_hook = lambda label: st.switch("draft", "eager").__enter__()  # what a Recompute fn calling back does
+    st.write("seq_lens", m.seq_lens.clone())
+
+
+def _other_thread():
+    import threading
+
+    m, st = _mini()
+    err: list[BaseException] = []
+    with st.switch("draft", "eager"):
+        t = threading.Thread(target=lambda: _catch(err, lambda: st.write("seq_lens", m.seq_lens.clone())))
+        t.start()
+        t.join()
+    raise err[0]
+
+
+def _catch(into, fn):
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
+        into.append(exc)
+
+
+def _partial_snapshot():
+    import graphctl.ops as gops
+
+    m, st = _mini()
+    real = gops.swap_through_
+
+    def half(statics, arenas, sources, validate=True):
+        real(statics[:1], arenas[:1], sources[:1], validate=validate)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    gops.swap_through_ = half
+    try:
+        with st.switch("draft", "eager"):
+            pass
+    except RuntimeError:
+        pass
+    finally:
+        gops.swap_through_ = real
+    st.check()
+
+
+def _view_rebound():
+    m = MiniMetadata(G(), S=4, B=4)
+    st = bind(m, registry=make_registry())
+    m.block_offsets = m.block_offsets.t()
+    st.write("kv_lens", torch.ones(4, dtype=torch.int32))
+
+
+def _deleted():
+    m, st = _mini()
+    del m.kv_lens
+    st.pad({"seq": 1})
+
+
+def _frozen_changed():
+    r = graphed(lambda x, cfg: x * cfg["scale"], buckets=[2], inputs=["x"], backend="emulated", progress=False)
+    cfg = {"scale": 2.0}
+    r.capture_all(torch.ones(2, 3), cfg)
+    cfg["scale"] = 3.0
+    r(torch.ones(2, 3), cfg)
 
 
 def _runner(fn=None, capture=True, **kw):
@@ -249,6 +316,8 @@ CASES: list[Case] = [
                                  ("buffer", "b", {"draft": Swap("t")})))),
     Case("decl-swap-refresh", DeclarationError, "declaration", "refresh= on a swapped buffer",
          lambda: _spec(("buffer", "a", {"draft": Swap("b"), "refresh": CopyInPlace("s")}))),
+    Case("decl-recompute-arity", DeclarationError, "declaration", "a Recompute fn that cannot take (out, *inputs)",
+         lambda: Recompute(["a", "b"], lambda out, a: None)),
     Case("decl-recompute-input", DeclarationError, "declaration", "Recompute of an undeclared input",
          lambda: _register(_spec(("buffer", "d", {"derive": Recompute(["x"], noop)})))),
     Case("decl-cycle", DeclarationError, "declaration", "Recompute inputs forming a cycle",
@@ -315,6 +384,8 @@ CASES: list[Case] = [
                                   a=a, t=T(4), runtime=a[:2]))(T(4))),
     Case("bind-source", BindError, "bind", "a CopyInPlace source attribute of another shape",
          lambda: _bind(_spec(("buffer", "a", {"draft": CopyInPlace("s")})), a=T(4), s=T(3))),
+    Case("bind-pad-dtype", BindError, "bind", "a padding value the buffer's dtype cannot hold (Pad.clamp(-3) on uint8)",
+         lambda: _bind(_spec(("buffer", "a", {"axis": "seq", "pad": Pad.clamp(-3)})), a=T(4, dtype=torch.uint8))),
     Case("bind-host-pinned", BindError, "bind", "a host buffer in pageable memory on a CUDA state (GPU only)",
          lambda: _bind(_spec(("buffer", "a", {}), ("buffer", "h", {"host": True})), a=T(3, device="cuda"), h=T(3)),
          needs_cuda=True),
@@ -322,6 +393,17 @@ CASES: list[Case] = [
     Case("use-role", SwitchError, "use", "switch() to an unknown role", lambda: _mini()[1].switch("target")),
     Case("use-phase", SwitchError, "use", "switch() with an unknown phase", lambda: _mini()[1].switch("draft", "warmup")),
     Case("use-nested", NestedSwitchError, "use", "a switch inside an active switch on the same state", _nested),
+    Case("use-reentrant", NestedSwitchError, "use", "a switch issued from inside a Recompute fn or CopyInPlace source",
+         _reentrant),
+    Case("use-thread", ConcurrentUseError, "use", "a write from a second thread while a switch owns the state",
+         _other_thread),
+    Case("use-partial-snapshot", CorruptedStateError, "use", "the fused snapshot raising partway (then any use)",
+         _partial_snapshot),
+    Case("use-copy", SwitchError, "use", "copy.copy, deepcopy or pickle of a bound state",
+         lambda: __import__("copy").copy(_mini()[1])),
+    Case("use-view-rebound", SwitchError, "use", "a buffer attribute rebound to a view at the same address (a transpose)",
+         _view_rebound),
+    Case("use-deleted", SwitchError, "use", "`del` of a declared attribute", _deleted),
     Case("use-poisoned", CorruptedStateError, "use", "any use after a failed restore", _poisoned),
     Case("use-restore-failed", CorruptedStateError, "use", "a restore step failing at switch exit", _restore_fails),
     Case("use-write-unknown", SwitchError, "use", "write() to an undeclared name",
@@ -387,6 +469,8 @@ CASES: list[Case] = [
          lambda: (lambda r, m, x: r(torch.ones(3, 5), m))(*_runner())),
     Case("replay-frozen", ReplayError, "replay", "another object for a frozen (non-input) argument",
          lambda: (lambda r, m, x: r(x, _mini()[0]))(*_runner())),
+    Case("replay-frozen-changed", ReplayError, "replay", "a dict passed as a frozen argument, changed in place",
+         _frozen_changed),
     Case("replay-moved", ReplayError, "replay", "a static buffer rebound after capture (manifest check)", _moved),
     Case("loop-mode", DeclarationError, "capture", "an unknown draft-loop mode", _unknown_loop_mode),
     Case("loop-needs-cuda", CaptureError, "capture", "mode='device_loop' on the emulated backend", _loop_on_cpu),

@@ -120,8 +120,9 @@ class BoundState:
     # ------------------------------------------------------------------ copies, pickling
 
     def _refuse_copy(self, how: str) -> SwitchError:
+        verb = {"copied": "copy", "deep-copied": "deep-copy", "pickled": "pickle"}[how]
         return SwitchError(f"a bound state cannot be {how}", buffer=None, expected="one BoundState per object",
-                           found=f"{how} of the state of {type(self.obj).__qualname__}",
+                           found=f"an attempt to {verb} the state of {type(self.obj).__qualname__}",
                            fix="copy the metadata object itself and graphctl.bind() the copy: snapshot slots and "
                                "switch ownership belong to one state")
 
@@ -387,7 +388,7 @@ class BoundState:
         holder = f"active '{self._active.role}' switch ({self._active.phase})" if self._active else "a write or pad"
         return ConcurrentUseError(f"{what} while another thread owns the state", buffer=None,
                                   expected="one thread at a time per bound state",
-                                  found=f"{holder} of thread {self._owner}",
+                                  found=f"{holder} owned by another thread",
                                   fix="bind one state per thread, or serialize the calls with a lock")
 
     def _claim(self, sw: Switch) -> None:
