@@ -23,31 +23,20 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from graphctl import ops
-from graphctl.errors import (BindError, ConcurrentUseError, CorruptedStateError, NestedSwitchError, StaleBufferError,
-                             SwitchError)
+from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitchError, SwitchError
+from graphctl.state import writes
 from graphctl.state.arena import Group, allocate_arenas, make_groups
 from graphctl.state.interrupts import deferred
+from graphctl.state.validate import bind_aliases, check_source, validate
 from graphctl.state.phase import resolve_phase
 from graphctl.state.plan import PHASES, Plan, compile_spec
 from graphctl.state.registry import Registry, default_registry
-from graphctl.state.spec import BufferDecl, CopyInPlace
+from graphctl.state.spec import CopyInPlace
 from graphctl.state.transaction import FaultHook, Switch, Step
 
 __all__ = ["bind", "BoundState", "ROLES"]
 
 ROLES = ("draft",)
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
-def _instance_attrs(obj: Any) -> dict[str, Any]:
-    try:
-        return vars(obj)
-    except TypeError:  # __slots__ classes: their views are declared or invisible to a scan
-        return {}
 
 
 def bind(obj: Any, *, registry: Registry | None = None, dims: Mapping[str, int] | None = None) -> "BoundState":
@@ -105,10 +94,10 @@ class BoundState:
         self._objects: dict[str, Any] = {}
         self._dim_source: dict[str, str] = {}
         self.device = torch.device("cpu")
-        self._validate()
+        validate(self)
         self._manifest = tuple(list(self._tensors.items()) + list(self._objects.items()))
         self._index = {n: i for i, (n, _) in enumerate(self._manifest)}
-        self._aliases = self._bind_aliases()
+        self._aliases = bind_aliases(self)
         self._arena = allocate_arenas(self.plan, self._tensors, self.device)
         self._groups = {p: make_groups(self.plan, p, self._tensors, self._arena) for p in PHASES}
         self._padded = tuple((n, d, self._tensors[n]) for n, d in plan.buffers.items()
@@ -136,167 +125,6 @@ class BoundState:
         raise self._refuse_copy("pickled")
 
     # ----------------------------------------------------------------- bind-time checks
-
-    def _err(self, name: str | None, what: str, expected: Any, found: Any, fix: str) -> BindError:
-        return BindError(f"{type(self.obj).__qualname__}.{name}: {what}" if name else what, buffer=name,
-                         expected=expected, found=found, fix=fix)
-
-    def _get(self, name: str) -> Any:
-        try:
-            return getattr(self.obj, name)
-        except AttributeError:
-            raise self._err(name, "declared attribute is missing", "an attribute", "none",
-                            f"set {type(self.obj).__qualname__}.{name} before bind") from None
-
-    def _validate(self) -> None:
-        plan = self.plan
-        devices: dict[str, torch.device] = {}
-        for name, d in plan.buffers.items():
-            t = self._get(name)
-            if not isinstance(t, torch.Tensor):
-                raise self._err(name, "declared buffer is not a tensor", "torch.Tensor", type(t).__name__,
-                                "declare plain attributes with spec.object(...)")
-            if d.dtype is not None and t.dtype != d.dtype:
-                raise self._err(name, "dtype differs from the declaration", d.dtype, t.dtype,
-                                f"allocate it as {d.dtype} or fix the declaration")
-            if d.shape is not None:
-                self._check_shape(name, d, t)
-            if not t.is_contiguous():
-                raise self._err(name, "buffer is not contiguous", "a dense tensor", f"strides {t.stride()}",
-                                "allocate static buffers dense; declare views as aliases=")
-            if d.pad is not None:
-                why = d.pad.unfit(t.dtype)
-                if why is not None:
-                    raise self._err(name, "padding policy does not fit the dtype", f"values representable in {t.dtype}",
-                                    why, "pick a padding value inside the dtype's range (and integral for integers)")
-            if d.host and t.device.type != "cpu":
-                raise self._err(name, "host buffer is not on the CPU", "cpu", t.device, "drop host=True or move it")
-            if not d.host:
-                devices[name] = t.device
-            self._tensors[name] = t
-        if devices:
-            first, dev = next(iter(devices.items()))
-            for name, other in devices.items():
-                if other != dev:
-                    raise self._err(name, "device buffers are on different devices", f"{dev} (as '{first}')", other,
-                                    "bind one state per device")
-            self.device = dev
-        if self.device.type == "cuda":
-            for name, d in plan.buffers.items():
-                t = self._tensors[name]
-                if d.host and t.numel() and not t.is_pinned():  # an empty tensor never reports pinned
-                    raise self._err(name, "host buffer is not pinned", "pinned memory", "pageable memory",
-                                    "allocate with pin_memory=True so copies are asynchronous")
-        for name in plan.objects:
-            self._objects[name] = self._get(name)
-        self._check_twins()
-        self._check_overlaps()
-        self._check_sources()
-
-    def _check_shape(self, name: str, d: BufferDecl, t: torch.Tensor) -> None:
-        if t.dim() != len(d.shape):
-            raise self._err(name, "rank differs from the declared shape", d.shape, tuple(t.shape),
-                            "allocate it with the declared number of dimensions")
-        for sym, size in zip(d.shape, t.shape):
-            if isinstance(sym, int):
-                if sym != size:
-                    raise self._err(name, "dimension differs from the declared shape", d.shape, tuple(t.shape),
-                                    "allocate it at the declared size")
-                continue
-            want = self.dims.setdefault(sym, size)
-            self._dim_source.setdefault(sym, name)
-            if want != size:
-                src = self._dim_source[sym]
-                origin = f"dims={{'{sym}': {want}}}" if src == name else f"'{src}'"
-                raise self._err(name, f"dimension '{sym}' disagrees with {origin}", f"{sym}={want}", f"{sym}={size}",
-                                "allocate every buffer sharing a dimension name at one size")
-
-    def _check_twins(self) -> None:
-        for name, twin in self.plan.phases["eager"].swaps:
-            if name in self._objects:
-                if self._objects[name] is self._objects[twin]:
-                    raise self._err(name, "Swap twin is the same object as the original", "a distinct draft object",
-                                    f"'{twin}' is the same object", "construct a separate draft object")
-                continue
-            a, b = self._tensors[name], self._tensors[twin]
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise self._err(name, "Swap twin differs in shape or dtype", f"{tuple(a.shape)} {a.dtype}",
-                                f"'{twin}' is {tuple(b.shape)} {b.dtype}",
-                                "allocate the twin like the original: kernels baked for one must fit the other")
-
-    def _check_overlaps(self) -> None:
-        spans = []
-        for name, t in self._tensors.items():
-            lo, hi = _span(t)
-            if hi > lo:
-                spans.append((t.device, lo, hi, name))
-        spans.sort(key=lambda s: (str(s[0]), s[1]))
-        prev = None
-        for s in spans:
-            if prev is not None and prev[0] == s[0] and s[1] < prev[2]:
-                raise self._err(s[3], f"storage overlaps buffer '{prev[3]}'", "disjoint buffers",
-                                f"bytes [{s[1]:#x}, {min(s[2], prev[2]):#x}) shared",
-                                "allocate each static buffer separately, or declare the view in aliases=")
-            if prev is None or prev[0] != s[0] or s[2] > prev[2]:
-                prev = s
-
-    def _check_sources(self) -> None:
-        for name, d in self.plan.buffers.items():
-            for act in (d.draft, d.refresh):
-                if isinstance(act, CopyInPlace) and isinstance(act.source, str):
-                    src = self._get(act.source)
-                    self._check_source(name, src, f"source '{act.source}'", self._err)
-
-    def _check_source(self, name: str, src: Any, label: str, err: Callable[..., Exception]) -> None:
-        dst = self._tensors[name]
-        if not isinstance(src, torch.Tensor):
-            raise err(name, f"CopyInPlace {label} is not a tensor", "torch.Tensor", type(src).__name__,
-                      "return or name an existing tensor")
-        if src.shape != dst.shape or src.dtype != dst.dtype or src.device != dst.device or not src.is_contiguous():
-            raise err(name, f"CopyInPlace {label} does not match the buffer",
-                      f"{tuple(dst.shape)} {dst.dtype} on {dst.device}, contiguous",
-                      f"{tuple(src.shape)} {src.dtype} on {src.device}{'' if src.is_contiguous() else ', strided'}",
-                      "produce the source at the buffer's shape, dtype and device")
-
-    def _bind_aliases(self) -> dict[str, tuple[tuple[str, torch.Tensor, torch.Tensor | None], ...]]:
-        """Per base buffer: (alias, view of the original, same view of the twin or None)."""
-        twins = dict(self.plan.phases["eager"].swaps)
-        out = {}
-        for name, d in self.plan.buffers.items():
-            base = self._tensors[name]
-            lo, hi = _span(base)
-            rows = []
-            for alias in d.aliases:
-                v = self._get(alias)
-                ok = isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-                vlo, vhi = _span(v) if isinstance(v, torch.Tensor) else (0, 0)
-                if not ok or vlo < lo or vhi > hi:
-                    raise self._err(alias, f"declared alias is not a view of '{name}'", f"a view inside '{name}'",
-                                    type(v).__name__ if not isinstance(v, torch.Tensor) else f"bytes [{vlo:#x}, {vhi:#x})",
-                                    f"bind it as a view, e.g. {alias} = {name}[:n]")
-                twin_view = None
-                if name in twins:
-                    twin = self._tensors[twins[name]]
-                    off = v.storage_offset() - base.storage_offset()
-                    twin_view = twin.as_strided(v.shape, v.stride(), twin.storage_offset() + off)
-                rows.append((alias, v, twin_view))
-            out[name] = tuple(rows)
-        for name in twins:
-            if name not in self._tensors:
-                continue
-            declared = {a for a, _, _ in out[name]}
-            base = self._tensors[name]
-            lo, hi = _span(base)
-            for attr, v in _instance_attrs(self.obj).items():
-                if (attr == name or attr in declared or not isinstance(v, torch.Tensor) or v is base
-                        or v.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()):
-                    continue
-                vlo, vhi = _span(v)
-                if vlo < hi and lo < vhi:
-                    raise self._err(name, f"attribute '{attr}' is an undeclared view of a swapped buffer",
-                                    f"'{attr}' declared in aliases=", "an undeclared view",
-                                    f"add aliases=('{attr}',) so the swap re-points it with the base")
-        return out
 
     # ---------------------------------------------------------------------- introspection
 
@@ -553,7 +381,7 @@ class BoundState:
             for i, name, act in g.copies:
                 src = self._source(act)
                 if validated.get(i) is not src:  # the same tensor object as last time needs no re-check
-                    self._check_source(name, src, "source", use_error)
+                    check_source(self, name, src, "source", use_error)
                     validated[i] = src
                 sources[i] = src
 
@@ -597,54 +425,6 @@ class BoundState:
 
     # --------------------------------------------------------------------- writes, checks
 
-    def _write_group(self, names: tuple[str, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[str, ...]]:
-        """The undo copy of a write or pad: the tensors it may change, their ``write`` slots, and
-        the ``Stable`` ones among them (never cloned, so a failed write cannot roll them back)."""
-        key = (self._active.phase if self._active is not None else None, names)
-        g = self._write_groups.get(key)
-        if g is None:
-            statics, slots, stable = [], [], []
-            for n in names:
-                t = getattr(self.obj, n)
-                held = next(e for e in self._tensors if self._tensors[e] is t)
-                if self.plan.buffers[held].stable:
-                    stable.append(n)
-                    continue
-                statics.append(t)
-                slots.append(self._arena["write", held])
-            g = self._write_groups[key] = (statics, slots, tuple(stable))
-        return g
-
-    @contextlib.contextmanager
-    def _all_or_nothing(self, what: str, names: tuple[str, ...]) -> Iterator[None]:
-        """Own the state, hold interrupts, keep an undo copy of ``names``; roll back on any raise."""
-        with deferred(), self._owned(what):
-            statics, slots, stable = self._write_group(names)
-            ops.copy_(slots, statics, validate=False)
-            try:
-                yield
-            except BaseException as exc:
-                failures: list[tuple[str, BaseException]] = [
-                    (n, RuntimeError("Stable buffers are never cloned, so a failed write cannot roll them back"))
-                    for n in stable]
-                try:
-                    ops.copy_(statics, slots, validate=False)
-                except BaseException as err:
-                    failures.append((f"{what} rollback", err))
-                if failures:
-                    self._poison(failures)
-                    exc.add_note(f"graphctl: {what} could not be rolled back fully; state poisoned")
-                raise
-
-    def _sharing(self, name: str) -> tuple[str, ...]:
-        """Entries bound to the same tensor as ``name`` right now (a swapped attribute and its
-        twin inside a switch): a write through any of them changes the inputs of all."""
-        sw = self._active
-        if sw is None or not sw.resolve:
-            return (name,)
-        held = sw.resolve.get(name, name)
-        return tuple(e for e in self._tensors if sw.resolve.get(e, e) == held) or (name,)
-
     def write(self, name: str, value: torch.Tensor) -> None:
         """Write ``value`` into buffer ``name`` in place and recompute every derived buffer
         that depends on it, transitively (on the device, capturable, no host sync).
@@ -658,121 +438,18 @@ class BoundState:
         All or nothing: everything is checked before a byte is written; a recompute that
         raises (or an interrupt) rolls the written buffers back. The value never brings
         autograd history into the static buffer."""
-        self._refuse_reentry("write()")
-        self._recover()
-        self.check_usable()
-        d = self.plan.buffers.get(name)
-        if d is None:
-            kind = "an object entry" if name in self.plan.objects else "not declared"
-            raise SwitchError("write() target is not a declared buffer", buffer=name, expected="a buffer entry",
-                              found=kind, fix="declare it with spec.buffer(...); objects are rebound with Swap")
-        if d.derive is not None:
-            raise SwitchError("write() to a derived buffer", buffer=name, expected="a write to one of its inputs",
-                              found=f"Recompute(inputs={list(d.derive.inputs)})",
-                              fix="write its inputs; graphctl recomputes it from them")
-        sw = self._active
-        if sw is not None and self._owner != threading.get_ident():
-            raise self._busy("write()")
-        if sw is not None and name not in self.plan.mutable:
-            raise SwitchError("write() inside a switch to a buffer not declared mutable", buffer=name,
-                              expected="mutable=True", found="mutable=False",
-                              fix="declare mutable=True so the switch snapshots and restores it")
-        if sw is not None and sw.phase == "refresh":
-            raise SwitchError("write() inside a refresh switch", buffer=name, expected="no writes (nothing is "
-                              "snapshotted for them)", found="a write", fix="write before the replay, or use phase='replay'")
-        self._check_bindings()  # every input a recompute reads must still be the bound tensor
-        target = self._expected(sw.phase if sw is not None else None)[self._index[name]][1]
-        self._check_value(name, d, target, value)
-        deps = self.plan.closure(self._sharing(name))
-        with self._all_or_nothing(f"write('{name}')", (name,) + deps), torch.no_grad():
-            ax = d.axis_dim if d.axis is not None else 0
-            n = value.shape[ax] if value.dim() else 1
-            if d.axis is not None and n < target.shape[ax]:
-                target.narrow(ax, 0, n).copy_(value)
-                d.pad.apply(target.narrow(ax, n, target.shape[ax] - n))
-            else:
-                target.copy_(value)
-            for dep in deps:
-                self._recompute(dep)
-
-    def _check_value(self, name: str, d: BufferDecl, target: torch.Tensor, value: Any) -> None:
-        if not isinstance(value, torch.Tensor):
-            raise SwitchError("write() value is not a tensor", buffer=name, expected="torch.Tensor",
-                              found=type(value).__name__, fix="wrap it with torch.as_tensor on the buffer's device")
-        if value.dtype != target.dtype:
-            raise SwitchError("write() value has another dtype", buffer=name, expected=target.dtype, found=value.dtype,
-                              fix=f"convert it first (value.to({target.dtype})); graphctl never casts silently")
-        if value.device != target.device:
-            raise SwitchError("write() value is on another device", buffer=name, expected=target.device,
-                              found=value.device, fix="stage it on the buffer's device first")
-        ok = value.dim() == target.dim()
-        if ok:
-            for i, (v, t) in enumerate(zip(value.shape, target.shape)):
-                if v != t and not (d.axis is not None and i == d.axis_dim and v < t):
-                    ok = False
-        if not ok:
-            rule = (f"{tuple(target.shape)} or fewer rows along dim {d.axis_dim} ('{d.axis}')"
-                    if d.axis is not None else f"{tuple(target.shape)} (no axis declared)")
-            raise SwitchError("write() value has the wrong shape", buffer=name, expected=rule,
-                              found=tuple(value.shape), fix="write at most the buffer's extent; padding fills the tail")
+        writes.write(self, name, value)
 
     def pad(self, counts: Mapping[str, int], ends: Mapping[str, int] | None = None) -> None:
         """Apply every buffer's padding policy to ``[n:end]`` along its axis, for
         ``counts = {"seq": n_seqs, ...}`` and ``end = ends[axis]`` (default: the extent), then
-        recompute the dependents of what was padded (nothing, when every range is empty).
-        All or nothing, like :meth:`write`."""
-        self._refuse_reentry("pad()")
-        self._recover()
-        self.check_usable()
-        if self._active is not None:
-            if self._owner != threading.get_ident():
-                raise self._busy("pad()")
-            raise SwitchError("pad() inside a switch", expected="pad before entering the switch",
-                              found=f"active phase {self._active.phase}", fix="pad, then switch")
-        self._check_bindings()
-        work = []
-        for name, d, t in self._padded:
-            if d.axis in counts:
-                n = counts[d.axis]
-                if not isinstance(n, int) or not 0 <= n <= t.shape[d.axis_dim]:
-                    raise SwitchError("pad() count outside the buffer", buffer=name,
-                                      expected=f"an int, 0 <= {d.axis} <= {t.shape[d.axis_dim]}", found=n,
-                                      fix="pass the live count, at most the bucket size")
-                end = min(t.shape[d.axis_dim], ends.get(d.axis, t.shape[d.axis_dim])) if ends else t.shape[d.axis_dim]
-                if end > n and d.pad.kind != "keep":
-                    work.append((name, d, t, n, end))
-        if not work:
-            return
-        touched = tuple(w[0] for w in work)
-        deps = self.plan.closure(touched)
-        with self._all_or_nothing("pad()", touched + deps), torch.no_grad():
-            for _, d, t, n, end in work:
-                d.pad.apply(t.narrow(d.axis_dim, n, end - n))
-            for dep in deps:
-                self._recompute(dep)
+        recompute the dependents of what was padded. All or nothing, like :meth:`write`."""
+        writes.pad(self, counts, ends)
 
     def check(self) -> None:
         """Debug: recompute every derived buffer into scratch and raise ``StaleBufferError``
         on the first one that differs from the live buffer. Host sync; not for captures."""
-        self._refuse_reentry("check()")
-        self._recover()
-        self.check_usable()
-        for name in self.plan.order:
-            live = getattr(self.obj, name)
-            scratch = self._scratch.get(name)
-            if scratch is None or scratch.shape != live.shape or scratch.device != live.device:
-                scratch = self._scratch[name] = torch.empty_like(live)
-            self._recompute(name, out=scratch)
-            a, b = live.reshape(-1).view(torch.uint8), scratch.reshape(-1).view(torch.uint8)
-            if not torch.equal(a, b):
-                es = live.element_size()
-                idx = int((a != b).nonzero()[0]) // es
-                inputs = list(self.plan.buffers[name].derive.inputs)
-                raise StaleBufferError("derived buffer is stale", buffer=name,
-                                       expected=f"fn({', '.join(inputs)})[{idx}] = {scratch.reshape(-1)[idx].item()}",
-                                       found=live.reshape(-1)[idx].item(), index=idx,
-                                       fix=f"an input of '{name}' was written behind graphctl's back: "
-                                           "write inputs with state.write()")
+        writes.check(self)
 
     def _fingerprints(self, phase: str) -> list[list[int]]:
         return [ops.fingerprint(g.statics).tolist() for g in self._groups[phase]]

@@ -11,11 +11,9 @@ import pytest
 import torch
 
 import graphctl
-from graphctl import (CaptureError, CorruptedStateError, Pad, Recompute, Registry, ReplayError, StateSpec,
-                      StaticInput, bind)
+from graphctl import CorruptedStateError, Pad, Recompute, Registry, ReplayError, StateSpec, bind
 from graphctl.cli import main
 from graphctl.testing.interrupts import interrupt_sweep
-from mini import MiniMetadata, make_registry
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

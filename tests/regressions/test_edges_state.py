@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-import graphctl
+
 from graphctl import (BindError, ConcurrentUseError, CopyInPlace, DeclarationError, NestedSwitchError, Pad,
                       Recompute, Registry, StateSpec, Swap, SwitchError, bind)
 from graphctl.testing.interrupts import interrupt_sweep

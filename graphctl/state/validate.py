@@ -1,0 +1,194 @@
+"""Bind-time checks of a live metadata object against its compiled plan, and the views of
+swapped buffers that a switch must re-point (``BoundState.__init__`` runs them once)."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from graphctl.errors import BindError
+from graphctl.state.spec import BufferDecl, CopyInPlace
+
+__all__ = ["validate", "bind_aliases", "check_source", "span"]
+
+
+def span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _instance_attrs(obj: Any) -> dict[str, Any]:
+    try:
+        return vars(obj)
+    except TypeError:  # __slots__ classes: their views are declared or invisible to a scan
+        return {}
+
+
+def err(st, name: str | None, what: str, expected: Any, found: Any, fix: str) -> BindError:
+    return BindError(f"{type(st.obj).__qualname__}.{name}: {what}" if name else what, buffer=name,
+                     expected=expected, found=found, fix=fix)
+
+
+def get(st, name: str) -> Any:
+    try:
+        return getattr(st.obj, name)
+    except AttributeError:
+        raise err(st, name, "declared attribute is missing", "an attribute", "none",
+                  f"set {type(st.obj).__qualname__}.{name} before bind") from None
+
+
+def validate(st) -> None:
+    plan = st.plan
+    devices: dict[str, torch.device] = {}
+    for name, d in plan.buffers.items():
+        t = get(st, name)
+        if not isinstance(t, torch.Tensor):
+            raise err(st, name, "declared buffer is not a tensor", "torch.Tensor", type(t).__name__,
+                      "declare plain attributes with spec.object(...)")
+        if d.dtype is not None and t.dtype != d.dtype:
+            raise err(st, name, "dtype differs from the declaration", d.dtype, t.dtype,
+                      f"allocate it as {d.dtype} or fix the declaration")
+        if d.shape is not None:
+            check_shape(st, name, d, t)
+        if not t.is_contiguous():
+            raise err(st, name, "buffer is not contiguous", "a dense tensor", f"strides {t.stride()}",
+                      "allocate static buffers dense; declare views as aliases=")
+        if d.pad is not None:
+            why = d.pad.unfit(t.dtype)
+            if why is not None:
+                raise err(st, name, "padding policy does not fit the dtype", f"values representable in {t.dtype}",
+                          why, "pick a padding value inside the dtype's range (and integral for integers)")
+        if d.host and t.device.type != "cpu":
+            raise err(st, name, "host buffer is not on the CPU", "cpu", t.device, "drop host=True or move it")
+        if not d.host:
+            devices[name] = t.device
+        st._tensors[name] = t
+    if devices:
+        first, dev = next(iter(devices.items()))
+        for name, other in devices.items():
+            if other != dev:
+                raise err(st, name, "device buffers are on different devices", f"{dev} (as '{first}')", other,
+                          "bind one state per device")
+        st.device = dev
+    if st.device.type == "cuda":
+        for name, d in plan.buffers.items():
+            t = st._tensors[name]
+            if d.host and t.numel() and not t.is_pinned():  # an empty tensor never reports pinned
+                raise err(st, name, "host buffer is not pinned", "pinned memory", "pageable memory",
+                          "allocate with pin_memory=True so copies are asynchronous")
+    for name in plan.objects:
+        st._objects[name] = get(st, name)
+    check_twins(st)
+    check_overlaps(st)
+    check_sources(st)
+
+
+def check_shape(st, name: str, d: BufferDecl, t: torch.Tensor) -> None:
+    if t.dim() != len(d.shape):
+        raise err(st, name, "rank differs from the declared shape", d.shape, tuple(t.shape),
+                  "allocate it with the declared number of dimensions")
+    for sym, size in zip(d.shape, t.shape):
+        if isinstance(sym, int):
+            if sym != size:
+                raise err(st, name, "dimension differs from the declared shape", d.shape, tuple(t.shape),
+                          "allocate it at the declared size")
+            continue
+        want = st.dims.setdefault(sym, size)
+        st._dim_source.setdefault(sym, name)
+        if want != size:
+            src = st._dim_source[sym]
+            origin = f"dims={{'{sym}': {want}}}" if src == name else f"'{src}'"
+            raise err(st, name, f"dimension '{sym}' disagrees with {origin}", f"{sym}={want}", f"{sym}={size}",
+                      "allocate every buffer sharing a dimension name at one size")
+
+
+def check_twins(st) -> None:
+    for name, twin in st.plan.phases["eager"].swaps:
+        if name in st._objects:
+            if st._objects[name] is st._objects[twin]:
+                raise err(st, name, "Swap twin is the same object as the original", "a distinct draft object",
+                          f"'{twin}' is the same object", "construct a separate draft object")
+            continue
+        a, b = st._tensors[name], st._tensors[twin]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise err(st, name, "Swap twin differs in shape or dtype", f"{tuple(a.shape)} {a.dtype}",
+                      f"'{twin}' is {tuple(b.shape)} {b.dtype}",
+                      "allocate the twin like the original: kernels baked for one must fit the other")
+
+
+def check_overlaps(st) -> None:
+    spans = []
+    for name, t in st._tensors.items():
+        lo, hi = span(t)
+        if hi > lo:
+            spans.append((t.device, lo, hi, name))
+    spans.sort(key=lambda s: (str(s[0]), s[1]))
+    prev = None
+    for s in spans:
+        if prev is not None and prev[0] == s[0] and s[1] < prev[2]:
+            raise err(st, s[3], f"storage overlaps buffer '{prev[3]}'", "disjoint buffers",
+                      f"bytes [{s[1]:#x}, {min(s[2], prev[2]):#x}) shared",
+                          "allocate each static buffer separately, or declare the view in aliases=")
+        if prev is None or prev[0] != s[0] or s[2] > prev[2]:
+            prev = s
+
+
+def check_sources(st) -> None:
+    for name, d in st.plan.buffers.items():
+        for act in (d.draft, d.refresh):
+            if isinstance(act, CopyInPlace) and isinstance(act.source, str):
+                src = get(st, act.source)
+                check_source(st, name, src, f"source '{act.source}'", lambda *a: err(st, *a))
+
+
+def check_source(st, name: str, src: Any, label: str, err: Callable[..., Exception]) -> None:
+    dst = st._tensors[name]
+    if not isinstance(src, torch.Tensor):
+        raise err(name, f"CopyInPlace {label} is not a tensor", "torch.Tensor", type(src).__name__,
+                  "return or name an existing tensor")
+    if src.shape != dst.shape or src.dtype != dst.dtype or src.device != dst.device or not src.is_contiguous():
+        raise err(name, f"CopyInPlace {label} does not match the buffer",
+                  f"{tuple(dst.shape)} {dst.dtype} on {dst.device}, contiguous",
+                  f"{tuple(src.shape)} {src.dtype} on {src.device}{'' if src.is_contiguous() else ', strided'}",
+                  "produce the source at the buffer's shape, dtype and device")
+
+
+def bind_aliases(st) -> dict[str, tuple[tuple[str, torch.Tensor, torch.Tensor | None], ...]]:
+    """Per base buffer: (alias, view of the original, same view of the twin or None)."""
+    twins = dict(st.plan.phases["eager"].swaps)
+    out = {}
+    for name, d in st.plan.buffers.items():
+        base = st._tensors[name]
+        lo, hi = span(base)
+        rows = []
+        for alias in d.aliases:
+            v = get(st, alias)
+            ok = isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+            vlo, vhi = span(v) if isinstance(v, torch.Tensor) else (0, 0)
+            if not ok or vlo < lo or vhi > hi:
+                raise err(st, alias, f"declared alias is not a view of '{name}'", f"a view inside '{name}'",
+                          type(v).__name__ if not isinstance(v, torch.Tensor) else f"bytes [{vlo:#x}, {vhi:#x})",
+                              f"bind it as a view, e.g. {alias} = {name}[:n]")
+            twin_view = None
+            if name in twins:
+                twin = st._tensors[twins[name]]
+                off = v.storage_offset() - base.storage_offset()
+                twin_view = twin.as_strided(v.shape, v.stride(), twin.storage_offset() + off)
+            rows.append((alias, v, twin_view))
+        out[name] = tuple(rows)
+    for name in twins:
+        if name not in st._tensors:
+            continue
+        declared = {a for a, _, _ in out[name]}
+        base = st._tensors[name]
+        lo, hi = span(base)
+        for attr, v in _instance_attrs(st.obj).items():
+            if (attr == name or attr in declared or not isinstance(v, torch.Tensor) or v is base
+                    or v.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()):
+                continue
+            vlo, vhi = span(v)
+            if vlo < hi and lo < vhi:
+                raise err(st, name, f"attribute '{attr}' is an undeclared view of a swapped buffer",
+                          f"'{attr}' declared in aliases=", "an undeclared view",
+                          f"add aliases=('{attr}',) so the swap re-points it with the base")
+    return out

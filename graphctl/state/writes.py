@@ -1,0 +1,189 @@
+"""Writes through graphctl: ``write`` (in place, with write-through recompute of every derived
+buffer), ``pad`` (the padding policies of a batch's tail) and the debug ``check``. Each write
+or pad is all or nothing: checked first, then applied under one held-interrupt section with an
+undo copy in the ``write`` arena slots, and rolled back if anything raises. ``BoundState``
+(``graphctl.state.bound``) delegates to these; they know a state only through its attributes."""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from graphctl import ops
+from graphctl.errors import StaleBufferError, SwitchError
+from graphctl.state.interrupts import deferred
+from graphctl.state.spec import BufferDecl
+
+__all__ = ["write", "pad", "check"]
+
+
+def write_group(st, names: tuple[str, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[str, ...]]:
+    """The undo copy of a write or pad: the tensors it may change, their ``write`` slots, and
+    the ``Stable`` ones among them (never cloned, so a failed write cannot roll them back)."""
+    key = (st._active.phase if st._active is not None else None, names)
+    g = st._write_groups.get(key)
+    if g is None:
+        statics, slots, stable = [], [], []
+        for n in names:
+            t = getattr(st.obj, n)
+            held = next(e for e in st._tensors if st._tensors[e] is t)
+            if st.plan.buffers[held].stable:
+                stable.append(n)
+                continue
+            statics.append(t)
+            slots.append(st._arena["write", held])
+        g = st._write_groups[key] = (statics, slots, tuple(stable))
+    return g
+
+
+@contextlib.contextmanager
+
+def all_or_nothing(st, what: str, names: tuple[str, ...]) -> Iterator[None]:
+    """Own the state, hold interrupts, keep an undo copy of ``names``; roll back on any raise."""
+    with deferred(), st._owned(what):
+        statics, slots, stable = write_group(st, names)
+        ops.copy_(slots, statics, validate=False)
+        try:
+            yield
+        except BaseException as exc:
+            failures: list[tuple[str, BaseException]] = [
+                (n, RuntimeError("Stable buffers are never cloned, so a failed write cannot roll them back"))
+                for n in stable]
+            try:
+                ops.copy_(statics, slots, validate=False)
+            except BaseException as err:
+                failures.append((f"{what} rollback", err))
+            if failures:
+                st._poison(failures)
+                exc.add_note(f"graphctl: {what} could not be rolled back fully; state poisoned")
+            raise
+
+
+def sharing(st, name: str) -> tuple[str, ...]:
+    """Entries bound to the same tensor as ``name`` right now (a swapped attribute and its
+    twin inside a switch): a write through any of them changes the inputs of all."""
+    sw = st._active
+    if sw is None or not sw.resolve:
+        return (name,)
+    held = sw.resolve.get(name, name)
+    return tuple(e for e in st._tensors if sw.resolve.get(e, e) == held) or (name,)
+
+
+def write(st, name: str, value: torch.Tensor) -> None:
+    """See ``BoundState.write``."""
+    st._refuse_reentry("write()")
+    st._recover()
+    st.check_usable()
+    d = st.plan.buffers.get(name)
+    if d is None:
+        kind = "an object entry" if name in st.plan.objects else "not declared"
+        raise SwitchError("write() target is not a declared buffer", buffer=name, expected="a buffer entry",
+                          found=kind, fix="declare it with spec.buffer(...); objects are rebound with Swap")
+    if d.derive is not None:
+        raise SwitchError("write() to a derived buffer", buffer=name, expected="a write to one of its inputs",
+                          found=f"Recompute(inputs={list(d.derive.inputs)})",
+                          fix="write its inputs; graphctl recomputes it from them")
+    sw = st._active
+    if sw is not None and st._owner != threading.get_ident():
+        raise st._busy("write()")
+    if sw is not None and name not in st.plan.mutable:
+        raise SwitchError("write() inside a switch to a buffer not declared mutable", buffer=name,
+                          expected="mutable=True", found="mutable=False",
+                          fix="declare mutable=True so the switch snapshots and restores it")
+    if sw is not None and sw.phase == "refresh":
+        raise SwitchError("write() inside a refresh switch", buffer=name, expected="no writes (nothing is "
+                          "snapshotted for them)", found="a write", fix="write before the replay, or use phase='replay'")
+    st._check_bindings()  # every input a recompute reads must still be the bound tensor
+    target = st._expected(sw.phase if sw is not None else None)[st._index[name]][1]
+    check_value(st, name, d, target, value)
+    deps = st.plan.closure(sharing(st, name))
+    with all_or_nothing(st, f"write('{name}')", (name,) + deps), torch.no_grad():
+        ax = d.axis_dim if d.axis is not None else 0
+        n = value.shape[ax] if value.dim() else 1
+        if d.axis is not None and n < target.shape[ax]:
+            target.narrow(ax, 0, n).copy_(value)
+            d.pad.apply(target.narrow(ax, n, target.shape[ax] - n))
+        else:
+            target.copy_(value)
+        for dep in deps:
+            st._recompute(dep)
+
+
+def check_value(st, name: str, d: BufferDecl, target: torch.Tensor, value: Any) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise SwitchError("write() value is not a tensor", buffer=name, expected="torch.Tensor",
+                          found=type(value).__name__, fix="wrap it with torch.as_tensor on the buffer's device")
+    if value.dtype != target.dtype:
+        raise SwitchError("write() value has another dtype", buffer=name, expected=target.dtype, found=value.dtype,
+                          fix=f"convert it first (value.to({target.dtype})); graphctl never casts silently")
+    if value.device != target.device:
+        raise SwitchError("write() value is on another device", buffer=name, expected=target.device,
+                          found=value.device, fix="stage it on the buffer's device first")
+    ok = value.dim() == target.dim()
+    if ok:
+        for i, (v, t) in enumerate(zip(value.shape, target.shape)):
+            if v != t and not (d.axis is not None and i == d.axis_dim and v < t):
+                ok = False
+    if not ok:
+        rule = (f"{tuple(target.shape)} or fewer rows along dim {d.axis_dim} ('{d.axis}')"
+                if d.axis is not None else f"{tuple(target.shape)} (no axis declared)")
+        raise SwitchError("write() value has the wrong shape", buffer=name, expected=rule,
+                          found=tuple(value.shape), fix="write at most the buffer's extent; padding fills the tail")
+
+
+def pad(st, counts: Mapping[str, int], ends: Mapping[str, int] | None = None) -> None:
+    """See ``BoundState.pad``."""
+    st._refuse_reentry("pad()")
+    st._recover()
+    st.check_usable()
+    if st._active is not None:
+        if st._owner != threading.get_ident():
+            raise st._busy("pad()")
+        raise SwitchError("pad() inside a switch", expected="pad before entering the switch",
+                          found=f"active phase {st._active.phase}", fix="pad, then switch")
+    st._check_bindings()
+    work = []
+    for name, d, t in st._padded:
+        if d.axis in counts:
+            n = counts[d.axis]
+            if not isinstance(n, int) or not 0 <= n <= t.shape[d.axis_dim]:
+                raise SwitchError("pad() count outside the buffer", buffer=name,
+                                  expected=f"an int, 0 <= {d.axis} <= {t.shape[d.axis_dim]}", found=n,
+                                  fix="pass the live count, at most the bucket size")
+            end = min(t.shape[d.axis_dim], ends.get(d.axis, t.shape[d.axis_dim])) if ends else t.shape[d.axis_dim]
+            if end > n and d.pad.kind != "keep":
+                work.append((name, d, t, n, end))
+    if not work:
+        return
+    touched = tuple(w[0] for w in work)
+    deps = st.plan.closure(touched)
+    with all_or_nothing(st, "pad()", touched + deps), torch.no_grad():
+        for _, d, t, n, end in work:
+            d.pad.apply(t.narrow(d.axis_dim, n, end - n))
+        for dep in deps:
+            st._recompute(dep)
+
+
+def check(st) -> None:
+    """See ``BoundState.check``."""
+    st._refuse_reentry("check()")
+    st._recover()
+    st.check_usable()
+    for name in st.plan.order:
+        live = getattr(st.obj, name)
+        scratch = st._scratch.get(name)
+        if scratch is None or scratch.shape != live.shape or scratch.device != live.device:
+            scratch = st._scratch[name] = torch.empty_like(live)
+        st._recompute(name, out=scratch)
+        a, b = live.reshape(-1).view(torch.uint8), scratch.reshape(-1).view(torch.uint8)
+        if not torch.equal(a, b):
+            es = live.element_size()
+            idx = int((a != b).nonzero()[0]) // es
+            inputs = list(st.plan.buffers[name].derive.inputs)
+            raise StaleBufferError("derived buffer is stale", buffer=name,
+                                   expected=f"fn({', '.join(inputs)})[{idx}] = {scratch.reshape(-1)[idx].item()}",
+                                   found=live.reshape(-1)[idx].item(), index=idx,
+                                   fix=f"an input of '{name}' was written behind graphctl's back: "
+                                       "write inputs with state.write()")
