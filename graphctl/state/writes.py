@@ -19,42 +19,46 @@ from graphctl.state.spec import BufferDecl
 __all__ = ["write", "pad", "check"]
 
 
-def write_group(st, names: tuple[str, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[str, ...]]:
-    """The undo copy of a write or pad: the tensors it may change, their ``write`` slots, and
+def write_group(st, names: tuple[str, ...]) -> tuple[list[tuple[list, list]], tuple[str, ...]]:
+    """The undo copy of a write or pad: per device, the tensors it may change and their
+    ``write`` slots (one fused copy each: a fused op never mixes host and device memory), and
     the ``Stable`` ones among them (never cloned, so a failed write cannot roll them back)."""
     key = (st._active.phase if st._active is not None else None, names)
     g = st._write_groups.get(key)
     if g is None:
-        statics, slots, stable = [], [], []
+        by_dev: dict[torch.device, tuple[list, list]] = {}
+        stable = []
         for n in names:
             t = getattr(st.obj, n)
             held = next(e for e in st._tensors if st._tensors[e] is t)
             if st.plan.buffers[held].stable:
                 stable.append(n)
                 continue
+            statics, slots = by_dev.setdefault(t.device, ([], []))
             statics.append(t)
             slots.append(st._arena["write", held])
-        g = st._write_groups[key] = (statics, slots, tuple(stable))
+        g = st._write_groups[key] = (list(by_dev.values()), tuple(stable))
     return g
 
 
 @contextlib.contextmanager
-
 def all_or_nothing(st, what: str, names: tuple[str, ...]) -> Iterator[None]:
     """Own the state, hold interrupts, keep an undo copy of ``names``; roll back on any raise."""
     with deferred(), st._owned(what):
-        statics, slots, stable = write_group(st, names)
-        ops.copy_(slots, statics, validate=False)
+        groups, stable = write_group(st, names)
+        for statics, slots in groups:
+            ops.copy_(slots, statics, validate=False)
         try:
             yield
         except BaseException as exc:
             failures: list[tuple[str, BaseException]] = [
                 (n, RuntimeError("Stable buffers are never cloned, so a failed write cannot roll them back"))
                 for n in stable]
-            try:
-                ops.copy_(statics, slots, validate=False)
-            except BaseException as err:
-                failures.append((f"{what} rollback", err))
+            for statics, slots in groups:
+                try:
+                    ops.copy_(statics, slots, validate=False)
+                except BaseException as err:
+                    failures.append((f"{what} rollback", err))
             if failures:
                 st._poison(failures)
                 exc.add_note(f"graphctl: {what} could not be rolled back fully; state poisoned")

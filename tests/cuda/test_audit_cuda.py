@@ -83,7 +83,8 @@ def test_stale_derived_buffer_named_cuda(gen):
     holder: dict = {}
     spec = StateSpec("paged-stale-map", extends=paged_spec(block_size=8))
     spec.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, override=True,
-                derive=Recompute(["kv_cache_manager"], lambda out, _m: _token_map(out, holder["meta"].seq_lens)))
+                derive=Recompute(["kv_cache_manager"], lambda out, _m: _token_map(out, holder["meta"].seq_lens)
+                                     if "meta" in holder else out.zero_()))  # bind computes it before holder is set
     eng = MTPEngine(EngineConfig(draft_len=3, max_seqs=8), spec=spec, device="cuda")
     holder["meta"] = eng.meta
     with graphctl.debug.scope(check_stale=True), pytest.raises(StaleBufferError, match="req_idx_per_token"):
