@@ -116,20 +116,29 @@ class SwitchMachine(RuleBasedStateMachine):
                     note(f"fault {f[3].__name__} at {stage} {when} {step}")
                     raise f[3](f"injected at {stage} {when} {step}")
 
+    def _rebuilt_if_poisoned(self, data: Any) -> bool:
+        """A poisoned state (its refusals already checked by the invariants) is replaced by a
+        fresh case, so rules drawing data stay enabled and no example is abandoned for want of
+        an enabled rule (the thorough profile abandoned about 11% that way)."""
+        if self.state.poisoned is None:
+            return False
+        self._start(self.draw_case(data))
+        return True
+
     def _expect_poisoned(self) -> bool:
         return any(s in ("undo", "restore", "inside") for s in self.fired)
 
     # -------------------------------------------------------------------------- rules
 
-    @precondition(lambda self: self.state.poisoned is None)
     @rule(stage=st.sampled_from(["apply", "undo", "restore"]), when=st.sampled_from(["before", "after"]),
           countdown=st.integers(1, 4), kind=st.sampled_from([InjectedFault, InjectedInterrupt]))
     def arm_fault(self, stage: str, when: str, countdown: int, kind: type) -> None:
         self.faults.append([stage, when, countdown, kind])
 
-    @precondition(lambda self: self.state.poisoned is None)
     @rule(data=st.data())
     def write(self, data: Any) -> None:
+        if self._rebuilt_if_poisoned(data):
+            return
         name = data.draw(st.sampled_from(self.names), label="buffer")
         d = self.plan.buffers[name]
         live = getattr(self.case.obj, name)
@@ -174,9 +183,10 @@ class SwitchMachine(RuleBasedStateMachine):
             rc = self.plan.buffers[dep].derive
             rc.fn(self.model[dep], *(self.model[i] for i in rc.inputs))
 
-    @precondition(lambda self: self.state.poisoned is None)
     @rule(data=st.data())
     def enter(self, data: Any) -> None:
+        if self._rebuilt_if_poisoned(data):
+            return
         phase = data.draw(st.sampled_from(self.phases), label="phase")
         if self.switch is not None:
             before = {n: _bytes(getattr(self.case.obj, n)) for n in self.names}
@@ -237,11 +247,13 @@ class SwitchMachine(RuleBasedStateMachine):
         assert not alloc.allocations, f"switch exit allocated: {alloc.allocations}"
         assert "restore" not in self.fired[n_fired:], "a restore fault fired but exit reported success"
 
-    @precondition(lambda self: self.state.poisoned is None and self.switch is None and not self.faults)
+    @precondition(lambda self: self.switch is None and not self.faults)
     @rule(data=st.data())
     def enter_with_fault_inside_the_snapshot(self, data: Any) -> None:
         """The fused snapshot raises after writing half its buffers: no undo can tell which
         half, so the state must be poisoned (never a silent partial restore)."""
+        if self._rebuilt_if_poisoned(data):
+            return
         phase = data.draw(st.sampled_from(self.phases), label="phase")
         cm = self.state.switch("draft", phase)
         n_fired = len(self.fired)
@@ -269,9 +281,11 @@ class SwitchMachine(RuleBasedStateMachine):
                 return
         assert len(self.fired) == n_fired, "an in-op fault fired but exit reported success"
 
-    @precondition(lambda self: self.state.poisoned is None and not self.faults)
+    @precondition(lambda self: not self.faults)
     @rule(data=st.data())
     def reenter_from_a_user_callable(self, data: Any) -> None:
+        if self._rebuilt_if_poisoned(data):
+            return
         """A switch, write, pad or check issued from inside a Recompute fn or a CopyInPlace
         source is refused (NestedSwitchError) and changes nothing."""
         attempts: list[tuple[str, BaseException | None]] = []
