@@ -91,9 +91,10 @@ MUTATIONS = {
 def test_the_machine_catches_a_planted_bug(name):
     patch, machine = MUTATIONS[name]
     base = settings()  # the loaded profile (ci in CI)
-    fast = settings(base, phases=[Phase.generate], database=None, print_blob=False,
-                    max_examples=base.max_examples // (4 if machine is GraphMachine else 1),
-                    suppress_health_check=list(HealthCheck))
+    # derandomized: the same examples every run, so whether a planted bug is caught never
+    # depends on the seed (a random 50-example GraphMachine run missed the slot collision once)
+    fast = settings(base, phases=[Phase.generate], database=None, print_blob=False, derandomize=True,
+                    max_examples=base.max_examples, suppress_health_check=list(HealthCheck))
     with patch():
         with pytest.raises(BaseException) as ei:  # noqa: PT011 - checked below
             run_state_machine_as_test(machine, settings=fast)
