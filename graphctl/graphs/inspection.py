@@ -19,7 +19,6 @@ from graphctl.graphs.audit import Audit, audit_graph, param_tensors
 from graphctl.graphs.nodes import Node, census
 from graphctl.graphs.report import BucketReport, Report, Segment
 from graphctl.graphs.verify import verify as _verify
-from graphctl.state import BoundState
 
 if TYPE_CHECKING:
     from graphctl.graphs.runner import GraphRunner
@@ -38,14 +37,12 @@ class Inspection:
         its own size (the example's items, repeated when the bucket holds more). Every declared
         buffer is restored before each timed call, outside the timing, so a forward that
         advances a bounded cache never runs off its end however many iterations are timed."""
-        from graphctl.graphs.runner import _Guard  # the runner's snapshot helper (same layer)
-
         if self._example is None:
             raise CaptureError("nothing captured yet", expected="capture_all() or a call first", found="no graphs",
                                fix="call capture_all(*example) before measure()")
         arguments = self._arguments(*self._example)
         n = self._batch((), arguments)[0]
-        with _Guard(self.state, BoundState.restorable_names) as given:
+        with self.guard_all() as given:
             for b, cap in sorted(self._graphs.items()):
                 args, kwargs = self._assemble({**arguments, **_tiled(self._inputs, arguments, n, b)})
                 before = cap.replays

@@ -44,6 +44,7 @@ from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs.backends import select_backend
 from graphctl.graphs.cuda import refuse_nested_capture
 from graphctl.graphs.distributed import Agreement, agreed_switch
+from graphctl.graphs.effects import POLICIES, SideEffect, WriteTracker, reachable, roots_of, storage_key
 from graphctl.graphs.nodes import Region
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, InputSlot, StaticInput
 from graphctl.graphs.report import Segment
@@ -102,9 +103,15 @@ class _Guard:
     """Snapshot some of a state's buffers on entry and put them back on exit (the snapshot
     storage is allocated once, at construction)."""
 
-    def __init__(self, state: BoundState | None, names: Callable[[BoundState], Sequence[str]]) -> None:
-        self._live = [state.tensor(n) for n in names(state)] if state is not None else []
+    def __init__(self, state: BoundState | None, names: Callable[[BoundState], Sequence[str]],
+                 extra: Sequence[torch.Tensor] = ()) -> None:
+        self._live = ([state.tensor(n) for n in names(state)] if state is not None else []) + list(extra)
         self._saved = [t.clone() for t in self._live]
+
+    def add(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Guard ``tensors`` too, from their contents now."""
+        self._live += list(tensors)
+        self._saved += [t.clone() for t in tensors]
 
     def __enter__(self) -> "_Guard":
         for s, t in zip(self._saved, self._live):
@@ -116,7 +123,8 @@ class _Guard:
             t.copy_(s)
 
     def __exit__(self, *exc) -> None:
-        self.restore()
+        with torch.no_grad():
+            self.restore()
 
 
 @contextlib.contextmanager
@@ -154,13 +162,23 @@ class GraphRunner(Inspection):
     def __init__(self, fn: Callable[..., Any], *, buckets: Sequence[int] = DEFAULT_BUCKETS, state: Any = None,
                  inputs: Sequence[str | StaticInput] | None = None, backend: str = "auto", fallback: str = "error",
                  pad_axes: Mapping[str, int] | None = None, warmup_iters: int = 2, progress: bool | None = None,
-                 params: Any = None, group: Any = None) -> None:
+                 params: Any = None, group: Any = None, side_effects: str = "restore",
+                 max_side_effect_bytes: int | None = None) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self._options = dict(buckets=buckets, state=state, inputs=inputs, backend=backend, fallback=fallback,
                              pad_axes=pad_axes, warmup_iters=warmup_iters, progress=progress,
-                             params=params, group=group)
+                             params=params, group=group, side_effects=side_effects,
+                             max_side_effect_bytes=max_side_effect_bytes)
         self.buckets = Buckets(buckets)
+        if side_effects not in POLICIES:
+            raise DeclarationError("unknown side_effects policy", expected=" / ".join(POLICIES), found=side_effects,
+                                   fix="restore (default): undo what warmups and captures write to state graphctl "
+                                       "does not own; error: refuse such a forward; ignore: leave it")
+        self.side_effect_policy = side_effects
+        self.max_side_effect_bytes = max_side_effect_bytes
+        self.side_effects: tuple[SideEffect, ...] = ()  # found by the first warmup (see graphs/effects.py)
+        self._effect_tensors: list[torch.Tensor] = []
         # state="attr" names the instance's metadata when a method is decorated (see __get__)
         self._state_attr = state if isinstance(state, str) else None
         if state is None or self._state_attr is not None:
@@ -354,13 +372,20 @@ class GraphRunner(Inspection):
             task = bar.add_task("warmup", total=2 * len(order)) if bar else None
             be.synchronize()
             before = be.live_blocks()
-            for b in order:  # pass 1: every workspace reaches its high-water mark before any capture
+            for i, b in enumerate(order):  # pass 1: every workspace reaches its high-water mark before any capture
                 given.restore()
                 self._load_example(arguments, n, b)
                 call = self._call_args(arguments, b)
-                for _ in range(self.warmup_iters):
-                    with self._guard:
-                        be.warmup(lambda: self.fn(*call[0], **call[1]))
+                for it in range(self.warmup_iters):
+                    try:
+                        with self._guard:
+                            if i == 0 and it == 0:  # the first run finds the side effects (and undoes them)
+                                self._tracked_warmup(arguments, call, given)
+                            else:
+                                be.warmup(lambda: self.fn(*call[0], **call[1]))
+                    except BaseException as exc:
+                        exc.add_note(f"graphctl: raised while warming up bucket {b}; the caller's state was restored")
+                        raise
                 if bar:
                     bar.update(task, advance=1, description=f"warmup bucket {b}")
             be.synchronize()
@@ -378,6 +403,53 @@ class GraphRunner(Inspection):
                     bar.update(task, advance=1, description=f"captured bucket {b} "
                                f"({time.perf_counter() - t_start:.1f}s, pool {pool_mib:.1f} MiB)")
             self._settle_slicing()
+
+    def _tracked_warmup(self, arguments: dict[str, Any], call: tuple[tuple, dict], given: _Guard) -> None:
+        """The first eager run, under the write tracker: what it writes to tensors the forward
+        reaches but graphctl does not own is a side effect (see ``graphs/effects.py``)."""
+        owned = {storage_key(slot.static) for slot in self._slots}
+        if self.state is not None:
+            owned |= {storage_key(self.state.tensor(n)) for n in self.state.plan.buffers}
+            owned |= {storage_key(t) for t in self.state.arenas().values()}
+        tracker = WriteTracker(reachable(roots_of(self.fn, arguments, self.params)), owned)
+        try:
+            with tracker:
+                self._backend.warmup(lambda: self.fn(*call[0], **call[1]))
+        finally:
+            self._backend.synchronize()
+            tracker.undo()  # the caller's state as it was, whatever happened
+            self._backend.synchronize()
+        self.side_effects = tracker.effects
+        written = [live for live, _ in tracker.saved.values()]
+        # GC is off during capture_all: drop the tracker's references now, or every tensor it
+        # watched would look held by someone (the audit would call a freed temporary "live")
+        tracker.watched.clear()
+        tracker.saved.clear()
+        if not self.side_effects or self.side_effect_policy == "ignore":
+            return
+        listing = "; ".join(map(str, self.side_effects))
+        total = sum(e.nbytes for e in self.side_effects)
+        if self.side_effect_policy == "error":
+            raise CaptureError("the forward writes state graphctl does not own", buffer=self.side_effects[0].path,
+                               expected="no writes outside static inputs, outputs and declared buffers",
+                               found=listing, fix="declare them in a StateSpec (mutable=True), or pass "
+                                                  "side_effects='restore' to have graphctl undo them")
+        if self.max_side_effect_bytes is not None and total > self.max_side_effect_bytes:
+            raise CaptureError("side effects exceed the snapshot cap", buffer=self.side_effects[0].path,
+                               expected=f"at most {self.max_side_effect_bytes:,} B of snapshots",
+                               found=f"{total:,} B: {listing}",
+                               fix="raise max_side_effect_bytes, declare the state in a StateSpec, or pass "
+                                   "side_effects='ignore' and reset it yourself")
+        self._effect_tensors = written
+        log.info("graphctl: %s writes state it does not own (restored around every warmup, capture, measure "
+                 "and verify run, %d B of snapshots): %s", getattr(self.fn, "__qualname__", self.fn), total, listing)
+        self._guard.add(self._effect_tensors)
+        given.add(self._effect_tensors)
+
+    def guard_all(self) -> _Guard:
+        """A snapshot of everything a run of the forward may change that the caller owns: every
+        declared buffer but Stable scratch, and the side effects being restored."""
+        return _Guard(self.state, BoundState.restorable_names, self._effect_tensors)
 
     def _capture_one(self, bucket: int, arguments: dict[str, Any], pool: Any) -> None:
         call = self._call_args(arguments, bucket)
@@ -435,6 +507,7 @@ class GraphRunner(Inspection):
     def reset(self) -> None:
         """Drop every graph (and the static inputs); the next call captures again."""
         self._graphs.clear()
+        self.side_effects, self._effect_tensors = (), []
         self._slots, self._in_pos = (), ()
         self._inputs = self._declared
         self._example = None

@@ -18,7 +18,6 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from graphctl.errors import CaptureError
-from graphctl.state import BoundState
 
 if TYPE_CHECKING:
     from graphctl.graphs.runner import GraphRunner
@@ -85,8 +84,6 @@ def _first_difference(want: torch.Tensor, got: torch.Tensor, rtol: float, atol: 
 
 def verify(runner: "GraphRunner", *, gen: torch.Generator | None = None, rtol: float = 1e-5,
            atol: float = 1e-5) -> tuple[VerifyResult, ...]:
-    from graphctl.graphs.runner import _Guard  # the runner's snapshot helper (same layer)
-
     if runner._example is None:
         raise CaptureError("nothing captured yet", expected="capture_all() or a call first", found="no graphs",
                            fix="call capture_all(*example) before verify()")
@@ -101,7 +98,7 @@ def verify(runner: "GraphRunner", *, gen: torch.Generator | None = None, rtol: f
         for n in ns:
             lives = {si.name: _like(arguments[si.name], n * si.per_item, si.dim, gen) for si in runner._inputs}
             args, kwargs = runner._assemble({**arguments, **lives})
-            with _Guard(runner.state, BoundState.restorable_names) as state:
+            with runner.guard_all() as state:
                 with torch.no_grad():
                     want, _ = tree_flatten_with_path(runner.fn(*args, **kwargs))
                 want = [(p, t.clone() if isinstance(t, torch.Tensor) else t) for p, t in want]

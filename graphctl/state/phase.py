@@ -7,19 +7,25 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
+import sys
+from typing import Any, Iterator
 
 import torch
 
+
 __all__ = ["recording", "is_recording", "capturing", "resolve_phase", "capture_invalidated"]
 
-_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("graphctl_recording", default=False)
+# The frame that entered ``recording()``, or None. The flag is true only while that frame is on
+# the stack: a Ctrl-C that lands in the cleanup of ``recording()`` (before its reset ran) can then
+# never leave a stale "capture in progress" behind for every later switch to trip over.
+_RECORDING: contextvars.ContextVar[Any] = contextvars.ContextVar("graphctl_recording", default=None)
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[None]:
-    """Mark a region as a capture that is not a CUDA stream capture (the emulated recorder)."""
-    token = _RECORDING.set(True)
+    """Mark a region as a capture that is not a CUDA stream capture (the emulated recorder),
+    for as long as the frame running the with-statement is on the stack."""
+    token = _RECORDING.set(sys._getframe(2))  # 0: this generator, 1: contextlib's __enter__, 2: the caller
     try:
         yield
     finally:
@@ -28,13 +34,22 @@ def recording() -> Iterator[None]:
 
 def is_recording() -> bool:
     """True inside :func:`recording` (the emulated recorder is running)."""
-    return _RECORDING.get()
+    owner = _RECORDING.get()
+    if owner is None:
+        return False
+    f = sys._getframe(1)
+    while f is not None:
+        if f is owner:
+            return True
+        f = f.f_back
+    _RECORDING.set(None)  # its with-block was left without the reset (an interrupt in the cleanup)
+    return False
 
 
 def capturing(device: torch.device) -> bool:
     """True under the emulated recorder, or when ``device`` is CUDA and the current stream is
     capturing (an invalidated capture still counts: it must be ended, not forgotten)."""
-    if _RECORDING.get():
+    if is_recording():
         return True
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -51,7 +66,7 @@ def capture_invalidated(device: torch.device) -> bool:
     """True when the current CUDA stream's capture was invalidated (a host sync or an illegal
     call in the body). Nothing recorded into it will ever run, so device work recorded by a
     switch needs no undo; launching that undo would only fail and poison the state."""
-    if device.type != "cuda" or _RECORDING.get():
+    if device.type != "cuda" or is_recording():
         return False
     try:
         from cuda.bindings import runtime as rt

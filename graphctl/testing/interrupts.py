@@ -155,6 +155,9 @@ def interrupt_sweep(setup: Callable[[], tuple[BoundState, Callable[[], Any]]], *
     clean, poisoned, silent, stuck, swallowed = [], [], [], [], []
     for p in points:
         state, before, tr, raised = _run(setup, files, p)
+        if not tr.where:  # this run executed fewer lines (lazy set-up done once): nothing was delivered
+            clean.append(p)
+            continue
         if not isinstance(raised, KeyboardInterrupt):  # lost, or turned into another exception
             swallowed.append((p, tr.where if raised is None else f"{tr.where} -> {type(raised).__name__}"))
         bad = _diagnose(state, before, done)

@@ -1,0 +1,180 @@
+"""Side effects of a forward on state graphctl was never told about, found and undone.
+
+Model code graphctl did not write keeps state of its own: a Hugging Face ``StaticCache`` layer
+advances a device-side ``cumulative_length`` and writes K/V with ``index_copy_`` at it. Every
+warmup and capture run of such a forward moves the caller's cache, so the first replay starts
+late, on garbage. No spec declares those tensors, and users should not have to.
+
+:func:`reachable` walks what a forward can reach (its arguments, a bound method's ``self``, the
+closure cells and the globals its code names, ``params``) and names every tensor by its path
+(``args[1].layers[0].keys``, ``model.embed_tokens.weight``). :class:`WriteTracker` runs the
+first eager warmup under a ``TorchDispatchMode``: every in-place or ``out=`` write into the
+storage of such a tensor is a side effect, recorded with the op and the user's file:line, and
+the tensor's contents are copied *before* the first write (copy on first write), so the
+warmup itself can be undone. The runner then snapshots those tensors around every warmup,
+capture, measure and verify run (``side_effects="restore"``), refuses them
+(``"error"``), or leaves them (``"ignore"``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import traceback
+import types
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["SideEffect", "WriteTracker", "reachable", "roots_of", "storage_bytes", "storage_key", "POLICIES"]
+
+POLICIES = ("restore", "error", "ignore")
+_GRAPHCTL = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_MAX_DEPTH = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class SideEffect:
+    """One tensor the forward wrote that graphctl does not own."""
+
+    path: str  # where graphctl reached it, e.g. "args[1].layers[0].cumulative_length"
+    op: str  # the first op that wrote it, e.g. "aten::index_copy_"
+    where: str  # the user's file:line of that op
+    nbytes: int
+
+    def __str__(self) -> str:
+        return f"{self.path} ({self.nbytes:,} B): {self.op} at {self.where}"
+
+
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of the whole storage under ``t``."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def reachable(roots: Iterable[tuple[str, Any]]) -> dict[tuple[str, int], tuple[str, torch.Tensor]]:
+    """Storage key -> (path, tensor) of every tensor reachable from ``roots`` (first path
+    wins): through containers, ``nn.Module`` parameters and buffers, and instance attributes,
+    ``_MAX_DEPTH`` levels deep. Modules, classes and functions are not entered."""
+    out: dict[tuple[str, int], tuple[str, torch.Tensor]] = {}
+    seen: set[int] = set()
+
+    def visit(path: str, v: Any, depth: int) -> None:
+        if isinstance(v, torch.Tensor):
+            if v.untyped_storage().nbytes() and v.device.type != "meta":
+                out.setdefault(storage_key(v), (path, v))
+            return
+        if depth > _MAX_DEPTH or id(v) in seen or isinstance(v, (str, bytes, int, float, bool, type(None))):
+            return
+        if isinstance(v, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)):
+            return
+        seen.add(id(v))
+        if isinstance(v, torch.nn.Module):
+            for n, t in (*v.named_parameters(), *v.named_buffers()):
+                visit(f"{path}.{n}", t, depth + 1)
+        if isinstance(v, dict):
+            for k, e in list(v.items()):
+                visit(f"{path}[{k!r}]", e, depth + 1)
+        elif isinstance(v, (list, tuple)):
+            for i, e in enumerate(v):
+                visit(f"{path}[{i}]", e, depth + 1)
+        try:
+            attrs = vars(v)
+        except TypeError:
+            return
+        for k, e in list(attrs.items()):
+            if not k.startswith("__") and k not in ("_parameters", "_buffers", "_modules"):
+                visit(f"{path}.{k}", e, depth + 1)
+        if isinstance(v, torch.nn.Module):
+            for n, m in v.named_children():
+                visit(f"{path}.{n}", m, depth + 1)
+
+    for name, root in roots:
+        visit(name, root, 0)
+    visit = None  # noqa: F841 - break the function <-> cell cycle: GC is off during capture_all
+    return out
+
+
+def roots_of(fn: Callable[..., Any], arguments: dict[str, Any], params: Any) -> list[tuple[str, Any]]:
+    """What ``fn`` can reach: its arguments, a bound method's ``self``, closure cells, the
+    globals its code names (not modules), and ``params``."""
+    roots: list[tuple[str, Any]] = list(arguments.items())
+    target = fn
+    if inspect.ismethod(target):
+        roots.append(("self", target.__self__))
+        target = target.__func__
+    code = getattr(target, "__code__", None)
+    if code is not None:
+        for name, cell in zip(code.co_freevars, target.__closure__ or ()):
+            try:
+                roots.append((name, cell.cell_contents))
+            except ValueError:  # an empty cell
+                pass
+        g = getattr(target, "__globals__", {})
+        for name in code.co_names:
+            if name in g and not isinstance(g[name], types.ModuleType):
+                roots.append((name, g[name]))
+    if params is not None:
+        roots.append(("params", params))
+    return roots
+
+
+def _user_frame() -> str:
+    for f in reversed(traceback.extract_stack()):
+        if not (f.filename.startswith(_GRAPHCTL) or f.filename.startswith(_TORCH) or "/torch/" in f.filename):
+            return f"{os.path.basename(f.filename)}:{f.lineno}"
+    return "?"
+
+
+def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    out = []
+    schema = func._schema
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        flat, _ = tree_flatten(v)
+        out += [t for t in flat if isinstance(t, torch.Tensor)]
+    return out
+
+
+class WriteTracker(TorchDispatchMode):
+    """Record the writes of one eager run into ``watched`` storages (key -> (path, tensor)),
+    saving each tensor's contents before its first write. ``exclude`` holds storage keys graphctl
+    owns (declared buffers, static inputs, arenas): never side effects."""
+
+    def __init__(self, watched: dict[tuple[str, int], tuple[str, torch.Tensor]], exclude: set[tuple[str, int]]) -> None:
+        super().__init__()
+        self.watched = {k: v for k, v in watched.items() if k not in exclude}
+        self.found: dict[tuple[str, int], SideEffect] = {}
+        self.saved: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (live, copy before)
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.watched:
+            for t in _written(func, args, kwargs):
+                key = storage_key(t)
+                hit = self.watched.get(key)
+                if hit is not None and key not in self.found:
+                    path, live = hit
+                    whole = storage_bytes(live)  # the whole storage: views of it are restored too
+                    with torch.no_grad():
+                        self.saved[key] = (whole, whole.clone())
+                    self.found[key] = SideEffect(path, func._schema.name, _user_frame(), whole.numel())
+        return func(*args, **kwargs)
+
+    def undo(self) -> None:
+        """Put every written tensor back as it was before the run."""
+        with torch.no_grad():
+            for live, before in self.saved.values():
+                live.copy_(before)
+
+    @property
+    def effects(self) -> tuple[SideEffect, ...]:
+        return tuple(self.found.values())

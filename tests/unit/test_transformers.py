@@ -1,0 +1,91 @@
+"""Hugging Face transformers as the first real client (issue 15): a bare ``@graphed`` on a
+``LlamaForCausalLM`` single-token decode with a ``StaticCache``, no declaration, tiny random
+config (nothing is downloaded)."""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+
+import graphctl
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E402
+
+B, VOCAB, PREFILL = 8, 128, 5
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    return cfg, LlamaForCausalLM(cfg).eval()
+
+
+def _cache_kw() -> str:
+    # transformers 5.24 renamed past_key_values to cache (the old name warns until 5.40): use what is taken
+    params = inspect.signature(LlamaForCausalLM.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _prefilled(cfg, model):
+    cache = StaticCache(config=cfg, max_cache_len=32)
+    ids = torch.randint(0, VOCAB, (B, PREFILL), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model(ids, **{_cache_kw(): cache}, use_cache=True)
+    return cache
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+               and torch.equal(x.cumulative_length, y.cumulative_length) for x, y in zip(a.layers, b.layers))
+
+
+def test_bare_graphed_static_cache_decode_equals_eager_step_after_step():
+    # Issue 15: the graphed decode diverged from eager from the first step (capture_all's warmups and capture
+    # advanced the StaticCache's cumulative_length and wrote K/V into it).
+    cfg, model = _model()
+    cache, ref = _prefilled(cfg, model), _prefilled(cfg, model)
+    kw = _cache_kw()
+
+    @graphctl.graphed(buckets=[8], inputs=["tok"], backend="emulated", progress=False)
+    def step(tok):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return model(tok, **{kw: cache}, use_cache=True).logits
+
+    gen = torch.Generator().manual_seed(2)
+    step.capture_all(torch.randint(0, VOCAB, (B, 1), generator=gen))
+    assert _same(cache, ref), "capture_all moved the caller's cache"
+    paths = {e.path for e in step.side_effects}
+    assert "cache.layers[0].cumulative_length" in paths and "cache.layers[1].keys" in paths, paths
+    for _ in range(4):
+        tok = torch.randint(0, VOCAB, (B, 1), generator=gen)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            want = model(tok, **{kw: ref}, use_cache=True).logits
+        got = step(tok).clone()
+        assert torch.equal(got, want)
+        assert _same(cache, ref)
+
+
+def test_side_effects_error_names_the_cache_tensors_and_the_transformers_line():
+    # Issue 15: nothing said which tensors of the model's state the forward wrote, or where.
+    cfg, model = _model()
+    cache = _prefilled(cfg, model)
+    kw = _cache_kw()
+
+    def step(tok):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return model(tok, **{kw: cache}, use_cache=True).logits
+
+    f = graphctl.graphed(step, buckets=[8], inputs=["tok"], backend="emulated", progress=False,
+                         side_effects="error")
+    with pytest.raises(graphctl.CaptureError) as ei:
+        f.capture_all(torch.randint(0, VOCAB, (B, 1)))
+    msg = str(ei.value)
+    assert "cache.layers[0].cumulative_length" in msg and "cache_utils.py:" in msg, msg
