@@ -233,6 +233,9 @@ def run_capture(args) -> int:
         con.print("emulated graphs re-run every recorded op from Python: replay is not faster than eager here; "
                   "the timing columns mean something on CUDA")
     con.print(_coverage_table(rows))
+    for e in report.side_effects:  # what the forward writes that graphctl does not own
+        con.print(escape(f"side effect ({e['policy']}): {e['path']} ({e['nbytes']:,} B) written by {e['op']} "
+                         f"at {e['where']}"))
     for rs in verify.values():
         for r in rs:
             if not r.ok:

@@ -234,9 +234,12 @@ def audit_graph(runner: "GraphRunner", bucket: int, params: Any = None) -> Audit
                                         "a temporary allocated outside the graph's pool", top, where))
             elif kind == "live" and key not in reported:
                 reported.add(key)
+                hint = ("the forward writes state graphctl does not know: declare it in a StateSpec or let "
+                        "side_effects='restore' handle it" if ref.access == "write" else
+                        "pass model tensors as params=")
                 findings.append(Finding("warning", "unregistered", region.name, seg, node.name,
                                         f"{node.kind} uses {ref.address:#x} (+{off}) in a live allocation nobody "
-                                        "registered (pass model tensors as params=)", top, where))
+                                        f"registered ({hint})", top, where))
             elif kind == "buffer":
                 used = usage.setdefault(seg, {})
                 first = region.name not in used

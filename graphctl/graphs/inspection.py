@@ -141,8 +141,10 @@ class Inspection:
         device = str(be.device) if be is not None else "-"
         if be is not None and be.device.type == "cuda":
             device = f"{device} ({torch.cuda.get_device_name(be.device)})"
+        effects = tuple(dict(path=e.path, op=e.op, where=e.where, nbytes=e.nbytes, policy=self.side_effect_policy)
+                        for e in self.side_effects)
         return Report(getattr(self.fn, "__qualname__", repr(self.fn)), be.name if be is not None else "-", device,
-                      torch.__version__, rows, dict(self._fallbacks))
+                      torch.__version__, rows, dict(self._fallbacks), effects)
 
     @property
     def captured(self: "GraphRunner") -> tuple[int, ...]:

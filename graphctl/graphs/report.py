@@ -7,7 +7,9 @@ the JSON form documented in ``docs/user-guide.md`` (``schema`` names its version
      "device": "...", "torch": "...", "fallbacks": {"<reason>": count},
      "buckets": [{"bucket": 8, "capture_ms": 12.5, "pool_bytes": 2097152, "nodes": 41,
                   "replay_us": 31.0 | null, "eager_us": 212.0 | null, "replays": 3,
-                  "segments": [{"name": "target", "start": 0, "end": 30}, ...]}]}
+                  "segments": [{"name": "target", "start": 0, "end": 30}, ...]}],
+     "side_effects": [{"path": "cache.layers[0].keys", "op": "aten::index_copy_",
+                       "where": "cache_utils.py:487", "nbytes": 32768, "policy": "restore"}]}
 
 ``nodes`` and segment bounds count graph nodes (CUDA) or recorded ops (emulated); -1 where
 cuda-bindings is missing. ``replay_us``/``eager_us`` are medians from ``runner.measure()``,
@@ -54,6 +56,9 @@ class Report:
     torch: str
     buckets: tuple[BucketReport, ...]
     fallbacks: dict[str, int]
+    # what the forward writes that graphctl does not own (graphs/effects.py): path, op, where,
+    # bytes, and the policy applied (restore, error, ignore)
+    side_effects: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -83,6 +88,9 @@ class Report:
         Console(file=buf, width=120, color_system=None).print(self.table())
         if self.fallbacks:
             buf.write("eager fallbacks: " + "; ".join(f"{r} (x{c})" for r, c in self.fallbacks.items()) + "\n")
+        for e in self.side_effects:
+            buf.write(f"side effect ({e['policy']}): {e['path']} ({e['nbytes']:,} B) written by {e['op']} at "
+                      f"{e['where']}\n")
         return buf.getvalue()
 
 
