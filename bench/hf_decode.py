@@ -1,0 +1,159 @@
+"""A Hugging Face decode step with a ``StaticCache`` under a bare ``@graphed``, next to the same
+step captured by hand and eager (issue 15).
+
+Model: ``LlamaForCausalLM`` from a ~1.1B ``LlamaConfig`` (hidden 2048, 22 layers, 32 heads, 4
+KV heads, intermediate 5632, vocab 32000), random weights, bf16 (nothing is downloaded).
+Each batch size gets a prefilled ``StaticCache`` per variant (same prompt), then, side by side:
+
+  (a) eager: ``model(tok, cache)`` per step;
+  (b) graphctl: ``@graphctl.graphed(buckets=[bs], inputs=["tok"])`` over that call, no
+      declaration: the first warmup finds the cache writes and graphctl restores them around its
+      warmups and capture (``side_effects="restore"``);
+  (c) hand-written: a ``torch.cuda.CUDAGraph`` of the same call, with the cache lengths and K/V
+      saved before its warmups and capture and copied back after (what a user must write).
+
+Timed per step with CUDA events over ``--steps`` steps, the variants interleaved step by step
+(each on its own cache, all advancing in lockstep), median per step. Logits of (b) and (c) are
+compared with (a) at every step. Target: (b) <= 1.02 x (c), logits equal to eager.
+
+    python bench/hf_decode.py [--sizes 1 8] [--steps 30] [--layers 22] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import sys
+import warnings
+
+import torch
+
+import graphctl
+
+
+def _model(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=32,
+                      num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    kw = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+    return cfg, model, kw
+
+
+def _call(model, kw, tok, cache):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return model(tok, **{kw: cache}, use_cache=True).logits
+
+
+def _prefilled(cfg, model, kw, bs, max_len):
+    from transformers import StaticCache
+
+    cache = StaticCache(config=cfg, max_cache_len=max_len)
+    ids = torch.randint(0, cfg.vocab_size, (bs, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    _call(model, kw, ids, cache)
+    return cache
+
+
+def _cache_tensors(cache):
+    return [t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+
+
+def hand_written(model, kw, cache, bs):
+    """The step captured by hand, the cache saved and restored around warmups and capture."""
+    static = torch.zeros(bs, 1, dtype=torch.long, device="cuda")
+    saved = [t.clone() for t in _cache_tensors(cache)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            _call(model, kw, static, cache)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        out = _call(model, kw, static, cache)
+    for t, v in zip(_cache_tensors(cache), saved):
+        t.copy_(v)
+
+    def step(tok):
+        static.copy_(tok)
+        g.replay()
+        return out
+
+    return step
+
+
+def run(sizes, steps, layers) -> dict:
+    cfg, model, kw = _model(layers)
+    rows = []
+    for bs in sizes:
+        caches = [_prefilled(cfg, model, kw, bs, 16 + steps + 8) for _ in range(3)]
+        eager = lambda tok: _call(model, kw, tok, caches[0])  # noqa: E731
+        gc_step = graphctl.graphed(lambda tok: _call(model, kw, tok, caches[1]), buckets=[bs], inputs=["tok"],
+                                   progress=False)
+        gen = torch.Generator().manual_seed(2)
+        first = torch.randint(0, cfg.vocab_size, (bs, 1), generator=gen).cuda()
+        gc_step.capture_all(first)
+        hand = hand_written(model, kw, caches[2], bs)
+        times = {"eager": [], "graphctl": [], "hand": []}
+        equal = {"graphctl": True, "hand": True}
+        for _ in range(steps):
+            tok = torch.randint(0, cfg.vocab_size, (bs, 1), generator=gen).cuda()
+            outs = {}
+            for name, fn in (("eager", eager), ("graphctl", gc_step), ("hand", hand)):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                outs[name] = fn(tok).clone()
+                b.record()
+                b.synchronize()
+                times[name].append(a.elapsed_time(b) * 1e3)
+            for name in ("graphctl", "hand"):
+                equal[name] &= bool(torch.equal(outs[name], outs["eager"]))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append(dict(bs=bs, eager_us=med["eager"], graphctl_us=med["graphctl"], hand_us=med["hand"],
+                         gc_over_hand=med["graphctl"] / med["hand"], eager_over_gc=med["eager"] / med["graphctl"],
+                         equal_graphctl=equal["graphctl"], equal_hand=equal["hand"],
+                         side_effects=len(gc_step.side_effects),
+                         snapshot_bytes=sum(e.nbytes for e in gc_step.side_effects)))
+        print(f"bs={bs}: eager {med['eager']:.0f} us, graphctl {med['graphctl']:.0f} us, hand {med['hand']:.0f} us, "
+              f"equal graphctl={equal['graphctl']} hand={equal['hand']}", flush=True)
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers, "rows": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/hf_decode.py: not run: needs a CUDA device")
+        return 0
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("bench/hf_decode.py: not run: transformers is not installed (pip install graphctl[transformers])")
+        return 0
+    res = run(args.sizes, args.steps, args.layers)
+    print(f"hf_decode: {res['gpu']}, torch {res['torch']}, Llama ~1.1B bf16 ({res['layers']} layers), median us a step")
+    print(f"{'bs':>4} {'eager':>9} {'graphctl':>9} {'hand':>9} {'gc/hand':>8} {'eager/gc':>9} {'equal':>6} {'effects':>8}")
+    for r in res["rows"]:
+        print(f"{r['bs']:>4} {r['eager_us']:>9.1f} {r['graphctl_us']:>9.1f} {r['hand_us']:>9.1f} "
+              f"{r['gc_over_hand']:>7.3f}x {r['eager_over_gc']:>8.2f}x {str(r['equal_graphctl']):>6} "
+              f"{r['side_effects']:>8}")
+    worst = max(r["gc_over_hand"] for r in res["rows"])
+    print(f"target graphctl/hand <= 1.02: worst {worst:.3f} -> {'MET' if worst <= 1.02 else 'MISSED'}")
+    print(f"logits equal to eager: {all(r['equal_graphctl'] for r in res['rows'])}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
