@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
-import traceback
 import types
 from typing import Any, Callable, Iterable
 
@@ -28,11 +26,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from graphctl.graphs.emulated import user_frame
+
 __all__ = ["SideEffect", "WriteTracker", "reachable", "roots_of", "storage_bytes", "storage_key", "POLICIES"]
 
 POLICIES = ("restore", "error", "ignore")
-_GRAPHCTL = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _MAX_DEPTH = 6
 
 
@@ -125,13 +123,6 @@ def roots_of(fn: Callable[..., Any], arguments: dict[str, Any], params: Any) -> 
     return roots
 
 
-def _user_frame() -> str:
-    for f in reversed(traceback.extract_stack()):
-        if not (f.filename.startswith(_GRAPHCTL) or f.filename.startswith(_TORCH) or "/torch/" in f.filename):
-            return f"{os.path.basename(f.filename)}:{f.lineno}"
-    return "?"
-
-
 def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     out = []
     schema = func._schema
@@ -166,7 +157,7 @@ class WriteTracker(TorchDispatchMode):
                     whole = storage_bytes(live)  # the whole storage: views of it are restored too
                     with torch.no_grad():
                         self.saved[key] = (whole, whole.clone())
-                    self.found[key] = SideEffect(path, func._schema.name, _user_frame(), whole.numel())
+                    self.found[key] = SideEffect(path, func._schema.name, user_frame(), whole.numel())
         return func(*args, **kwargs)
 
     def undo(self) -> None:

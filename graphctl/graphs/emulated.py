@@ -48,7 +48,7 @@ _METADATA_ONLY = {"aten::is_same_size", "aten::is_set_to", "aten::is_coalesced",
                   "aten::sparse_dim", "aten::_nnz", "aten::_debug_has_internal_overlap"}
 
 
-def _user_frame() -> str:
+def user_frame() -> str:
     """The innermost stack frame outside torch and graphctl: the line that issued the op."""
     for frame in reversed(traceback.extract_stack()):
         f = os.path.abspath(frame.filename)
@@ -97,7 +97,7 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         why = _illegal(func, args, out)
         if why is not None:
-            where = _user_frame()
+            where = user_frame()
             raise CaptureError(f"operation illegal under graph capture: {func._schema.name} {why}",
                                buffer=None, expected="device-only work with static shapes",
                                found=f"{func._schema.name} at {where}", where=where,

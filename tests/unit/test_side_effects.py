@@ -44,11 +44,12 @@ def test_capture_all_leaves_undeclared_state_bitwise_and_replay_equals_eager():
     assert paths == ["state.pos", "state.ring"], paths
     ops = {e.path: e.op for e in f.side_effects}
     assert ops == {"state.pos": "aten::add_", "state.ring": "aten::index_copy_"}
-    assert all(e.where.startswith("test_side_effects.py:") for e in f.side_effects), f.side_effects
+    assert all("test_side_effects.py:" in e.where for e in f.side_effects), f.side_effects
     rep = f.report()
     assert {e["path"]: e["policy"] for e in rep.to_dict()["side_effects"]} == {"state.pos": "restore",
                                                                             "state.ring": "restore"}
-    assert "side effect (restore): state.ring (256 B) written by aten::index_copy_ at test_side_effects.py:" in str(rep)
+    assert "side effect (restore): state.ring (256 B) written by aten::index_copy_ at " in str(rep)
+    assert "test_side_effects.py:" in str(rep)
     for n in (4, 3, 2, 4, 1):
         x = torch.randn(n, 4, generator=gen)
         want = ref_step(x)
