@@ -89,3 +89,29 @@ def test_side_effects_error_names_the_cache_tensors_and_the_transformers_line():
         f.capture_all(torch.randint(0, VOCAB, (B, 1)))
     msg = str(ei.value)
     assert "cache.layers[0].cumulative_length" in msg and "cache_utils.py:" in msg, msg
+
+
+def test_a_compiled_model_decode_under_graphed_equals_eager():
+    # Issue 15: a decode step of a torch.compile'd model under @graphed (on the CPU through aot_eager: inductor's
+    # C++ kernels are invisible to the dispatcher-level recorder, see shared/reference/transformers.md).
+    cfg, model = _model()
+    cache, ref = _prefilled(cfg, model), _prefilled(cfg, model)
+    kw = _cache_kw()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+
+    def step(tok):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return compiled(tok, **{kw: cache}, use_cache=True).logits
+
+    f = graphctl.graphed(step, buckets=[8], inputs=["tok"], backend="emulated", progress=False)
+    gen = torch.Generator().manual_seed(3)
+    f.capture_all(torch.randint(0, VOCAB, (B, 1), generator=gen))
+    assert _same(cache, ref)
+    for _ in range(3):
+        tok = torch.randint(0, VOCAB, (B, 1), generator=gen)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            want = model(tok, **{kw: ref}, use_cache=True).logits
+        torch.testing.assert_close(f(tok).clone(), want, rtol=1e-5, atol=1e-5)
+    assert _same(cache, ref)
