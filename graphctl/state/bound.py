@@ -24,7 +24,7 @@ import torch
 
 from graphctl import ops
 from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitchError, SwitchError
-from graphctl.state import writes
+from graphctl.state import paths, writes
 from graphctl.state.arena import Group, allocate_arenas, make_groups
 from graphctl.state.interrupts import deferred
 from graphctl.state.validate import bind_aliases, check_source, validate
@@ -41,7 +41,7 @@ ROLES = ("draft",)
 
 def bind(obj: Any, *, registry: Registry | None = None, dims: Mapping[str, int] | None = None) -> "BoundState":
     """Bind ``obj`` to the spec registered for its type (see :class:`BoundState`)."""
-    spec = (registry or default_registry).lookup(type(obj))
+    spec = paths.expand_spec((registry or default_registry).lookup(type(obj)), obj)  # "[*]" entries, per object
     return BoundState(obj, compile_spec(spec), dims=dims)
 
 
@@ -147,7 +147,7 @@ class BoundState:
         graph captured against :meth:`addresses` reads stale memory wherever the two differ."""
         out: dict[str, int | None] = {}
         for n in self._tensors:
-            v = getattr(self.obj, n, None)
+            v = paths.get(self.obj, n, None)
             out[n] = v.data_ptr() if isinstance(v, torch.Tensor) else None
         return out
 
@@ -291,7 +291,7 @@ class BoundState:
         obj, sw = self.obj, self._active
         phase = sw.phase if sw is not None and entering is None else None
         for name, want in self._expected(phase):
-            if getattr(obj, name, None) is not want:
+            if paths.get(obj, name, None) is not want:
                 break
         else:
             return
@@ -303,8 +303,8 @@ class BoundState:
         twins = self.plan.phases[entering].resolve if entering is not None else {}
         for name, want in self._expected(phase):
             try:
-                cur = getattr(obj, name)
-            except AttributeError:
+                cur = paths.get(obj, name)
+            except (AttributeError, IndexError, KeyError, TypeError):
                 raise SwitchError("declared attribute was deleted", buffer=name, expected="the bound attribute",
                                   found="no attribute", fix=f"do not del {type(obj).__qualname__}.{name}; set it "
                                   "back to the bound tensor, or bind() the object again") from None
@@ -367,7 +367,7 @@ class BoundState:
     def _source(self, act: CopyInPlace) -> Any:
         if callable(act.source):
             return self._call_user("a CopyInPlace source", act.source, self.obj)
-        return getattr(self.obj, act.source)
+        return paths.get(self.obj, act.source)
 
     def _snapshot_step(self, g: Group) -> Step:
         statics, arenas = list(g.statics), list(g.arenas)
@@ -401,15 +401,15 @@ class BoundState:
         aliases = self._aliases.get(name, ())
 
         def apply() -> None:
-            setattr(obj, name, twin_value)
+            paths.put(obj, name, twin_value)
             for alias, _, tv in aliases:
-                setattr(obj, alias, tv)
+                paths.put(obj, alias, tv)
 
         def undo() -> None:
             # Always back to the bind-time original: a repeated swap can never save the twin.
             for alias, ov, _ in aliases:
-                setattr(obj, alias, ov)
-            setattr(obj, name, original)
+                paths.put(obj, alias, ov)
+            paths.put(obj, name, original)
 
         return Step(f"swap({name})", apply, undo, idempotent=True)
 
@@ -420,8 +420,8 @@ class BoundState:
 
     def _recompute(self, name: str, out: torch.Tensor | None = None) -> None:
         rc = self.plan.buffers[name].derive
-        target = getattr(self.obj, name) if out is None else out
-        self._call_user(f"the Recompute fn of '{name}'", rc.fn, target, *(getattr(self.obj, i) for i in rc.inputs))
+        target = paths.get(self.obj, name) if out is None else out
+        self._call_user(f"the Recompute fn of '{name}'", rc.fn, target, *(paths.get(self.obj, i) for i in rc.inputs))
 
     # --------------------------------------------------------------------- writes, checks
 

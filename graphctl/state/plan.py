@@ -14,6 +14,7 @@ around a graph whose capture recorded a ``capture`` switch never shares a slot w
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Mapping
 
 from graphctl.errors import DeclarationError
@@ -80,6 +81,11 @@ def _topo(spec: StateSpec, buffers: Mapping[str, BufferDecl]) -> tuple[str, ...]
     return tuple(order)
 
 
+def _starred(name: str) -> str:
+    """``layers[0].keys`` -> ``layers[*].keys``: one element of a ``[*]`` entry expanded at bind."""
+    return re.sub(r"\[\d+\]", "[*]", name, count=1)
+
+
 def _check_entries(spec: StateSpec) -> None:
     entries = spec.entries
     twin_of: dict[str, str] = {}
@@ -124,7 +130,7 @@ def _check_entries(spec: StateSpec) -> None:
                 alias_owner[a] = name
             if d.derive is not None:
                 for i in d.derive.inputs:
-                    if i not in entries:
+                    if i not in entries and _starred(i) not in entries:
                         raise DeclarationError("Recompute input is not declared", buffer=name,
                                                expected=f"an entry named '{i}'", found="no such entry",
                                                fix=f"declare '{i}' in the spec (a buffer or an object)")

@@ -7,6 +7,7 @@ from typing import Any, Callable
 import torch
 
 from graphctl.errors import BindError
+from graphctl.state import paths
 from graphctl.state.spec import BufferDecl, CopyInPlace
 
 __all__ = ["validate", "bind_aliases", "check_source", "span"]
@@ -31,8 +32,8 @@ def err(st, name: str | None, what: str, expected: Any, found: Any, fix: str) ->
 
 def get(st, name: str) -> Any:
     try:
-        return getattr(st.obj, name)
-    except AttributeError:
+        return paths.get(st.obj, name)
+    except (AttributeError, IndexError, KeyError, TypeError):
         raise err(st, name, "declared attribute is missing", "an attribute", "none",
                   f"set {type(st.obj).__qualname__}.{name} before bind") from None
 

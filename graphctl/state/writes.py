@@ -13,6 +13,7 @@ import torch
 
 from graphctl import ops
 from graphctl.errors import StaleBufferError, SwitchError
+from graphctl.state import paths
 from graphctl.state.interrupts import deferred
 from graphctl.state.spec import BufferDecl
 
@@ -29,7 +30,7 @@ def write_group(st, names: tuple[str, ...]) -> tuple[list[tuple[list, list]], tu
         by_dev: dict[torch.device, tuple[list, list]] = {}
         stable = []
         for n in names:
-            t = getattr(st.obj, n)
+            t = paths.get(st.obj, n)
             held = next(e for e in st._tensors if st._tensors[e] is t)
             if st.plan.buffers[held].stable:
                 stable.append(n)
@@ -176,7 +177,7 @@ def check(st) -> None:
     st._recover()
     st.check_usable()
     for name in st.plan.order:
-        live = getattr(st.obj, name)
+        live = paths.get(st.obj, name)
         scratch = st._scratch.get(name)
         if scratch is None or scratch.shape != live.shape or scratch.device != live.device:
             scratch = st._scratch[name] = torch.empty_like(live)
