@@ -46,6 +46,7 @@ from graphctl.graphs.cuda import refuse_nested_capture
 from graphctl.graphs.distributed import Agreement, agreed_switch
 from graphctl.graphs.effects import POLICIES, SideEffect, WriteTracker, reachable, roots_of, storage_key
 from graphctl.graphs.nodes import Region
+from graphctl.graphs.frozen import SCALARS, first_change, freeze
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, InputSlot, StaticInput
 from graphctl.graphs.report import Segment
 from graphctl.graphs.inspection import Inspection
@@ -54,7 +55,6 @@ from graphctl.state import BoundState, bind
 __all__ = ["GraphRunner"]
 
 log = logging.getLogger("graphctl")
-_SCALARS = (int, float, bool, str, type(None))
 
 
 class _Captured:
@@ -316,7 +316,7 @@ class GraphRunner(Inspection):
         # Non-input arguments are baked into the graph: keep each object and a structural copy of
         # what it held (containers are compared by contents at every call: an in-place change
         # to a dict or list passed here would otherwise replay capture-time values silently).
-        self._frozen = {n: (v, _freeze(v)) for n, v in arguments.items() if n not in static_names}
+        self._frozen = {n: (v, freeze(v)) for n, v in arguments.items() if n not in static_names}
         n, lives = self._batch((), arguments)
         for slot, live in zip(self._slots, lives):
             err = slot.spec.check(live, slot.static, n)
@@ -578,9 +578,9 @@ class GraphRunner(Inspection):
     def _check_frozen(self, args: tuple, kwargs: dict) -> ReplayError | None:
         for name, (want, frozen) in self._frozen.items():
             live = self._arg(args, kwargs, name)
-            if live is want and type(want) in _SCALARS:
+            if live is want and type(want) in SCALARS:
                 continue
-            where = _first_change(_freeze(live), frozen, name)
+            where = first_change(freeze(live), frozen, name)
             if where is None:
                 continue
             what = ("a frozen argument was changed in place since the capture" if live is want
@@ -603,49 +603,6 @@ class GraphRunner(Inspection):
                                   fix="write into the buffer in place (state.write / copy_) instead of rebinding "
                                       "it, or reset() and capture again")
         cap.checked = True
-
-def _freeze(v: Any, depth: int = 0) -> Any:
-    """A structural copy of a frozen argument: tensors by address and layout, scalars by value,
-    containers element by element, anything else by identity."""
-    if isinstance(v, torch.Tensor):
-        return ("tensor", v.data_ptr(), tuple(v.shape), v.stride(), v.dtype, str(v.device))
-    if isinstance(v, _SCALARS):
-        return ("scalar", type(v), "nan" if isinstance(v, float) and v != v else v)
-    if depth < 8 and isinstance(v, (tuple, list)):
-        return (type(v), tuple(_freeze(e, depth + 1) for e in v))
-    if depth < 8 and isinstance(v, dict):
-        return (type(v), tuple((k, _freeze(e, depth + 1)) for k, e in v.items()))
-    return ("object", id(v))
-
-
-def _first_change(live: Any, want: Any, path: str) -> tuple[str, str, str] | None:
-    """``(path, expected, found)`` of the first difference between two frozen copies, or None."""
-    if live == want:
-        return None
-    if live[0] == want[0] and want[0] in (tuple, list, dict) and len(live[1]) == len(want[1]):
-        for (a, b), i in zip(zip(live[1], want[1]), range(len(want[1]))):
-            if want[0] is dict:
-                if a[0] != b[0]:
-                    return path, f"key {b[0]!r}", f"key {a[0]!r}"
-                sub, a, b = f"{path}[{b[0]!r}]", a[1], b[1]
-            else:
-                sub = f"{path}[{i}]"
-            hit = _first_change(a, b, sub)
-            if hit is not None:
-                return hit
-    return path, _show(want), _show(live)
-
-
-def _show(frozen: Any) -> str:
-    kind = frozen[0]
-    if kind == "tensor":
-        return f"{frozen[2]} {frozen[4]} at {frozen[1]:#x}"
-    if kind == "scalar":
-        return repr(frozen[2])
-    if kind == "object":
-        return f"object at {frozen[1]:#x}"
-    return f"{kind.__name__} of {len(frozen[1])}"
-
 
 def _segments(marks: list[tuple[str, int]], total: int) -> tuple[Segment, ...]:
     """Turn switch enter/exit marks into named segments: target, draft (or draft[i]), post."""
