@@ -40,6 +40,8 @@ __all__ = ["EmulatedBackend", "EmulatedGraph"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _GRAPHCTL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# graphctl's machinery; its reference engine (graphctl/models) is model code like a user's
+_INTERNAL_DIRS = tuple(os.path.join(_GRAPHCTL_DIR, d) + os.sep for d in ("graphs", "state", "ops", "cli", "testing"))
 _HOST_READS = {"aten::_local_scalar_dense": "reads a device value on the host (.item(), .tolist(), bool(t), int(t))",
                "aten::equal": "returns a Python bool computed from device values (torch.equal)",
                "aten::is_nonzero": "reads a device value on the host (bool(t))"}
@@ -52,7 +54,7 @@ def user_frame() -> str:
     """The innermost stack frame outside torch and graphctl: the line that issued the op."""
     for frame in reversed(traceback.extract_stack()):
         f = os.path.abspath(frame.filename)
-        if not f.startswith(_TORCH_DIR) and not f.startswith(_GRAPHCTL_DIR) and "<frozen" not in f:
+        if not f.startswith(_TORCH_DIR) and not f.startswith(_INTERNAL_DIRS) and "<frozen" not in f:
             rel = os.path.relpath(f)
             return f"{f if rel.startswith('..') else rel}:{frame.lineno}"
     return "<unknown>"
