@@ -193,8 +193,6 @@ class BoundState:
                 fix="rebuild the metadata object (these buffers may hold draft-state contents) and bind it again",
                 failures=self._poisoned)
 
-    _check_usable = check_usable
-
     def _poison(self, failures: list[tuple[str, BaseException]]) -> CorruptedStateError:
         self._poisoned = tuple(name for name, _ in failures)
         return CorruptedStateError(
@@ -212,6 +210,13 @@ class BoundState:
                                     fix="a Recompute fn or CopyInPlace source must only compute: it runs in the "
                                         "middle of a switch or write, whose snapshot it would overwrite")
 
+    def _begin_use(self, what: str) -> None:
+        """The checks every use starts with: not from inside a user callable, an orphaned switch
+        of this thread restored, not poisoned."""
+        self._refuse_reentry(what)
+        self._recover()
+        self.check_usable()
+
     def _busy(self, what: str) -> ConcurrentUseError:
         holder = f"active '{self._active.role}' switch ({self._active.phase})" if self._active else "a write or pad"
         return ConcurrentUseError(f"{what} while another thread owns the state", buffer=None,
@@ -223,9 +228,7 @@ class BoundState:
         """Make ``sw`` the state's one active switch, or raise (nothing changed)."""
         if self._owner is not None and self._owner != threading.get_ident():
             raise self._busy("switch")
-        self._refuse_reentry("switch")
-        self._recover()
-        self.check_usable()
+        self._begin_use("switch")
         me = threading.get_ident()
         if not self._lock.acquire(blocking=False):
             if self._owner == me and self._active is not None:

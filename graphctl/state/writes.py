@@ -78,9 +78,7 @@ def sharing(st, name: str) -> tuple[str, ...]:
 
 def write(st, name: str, value: torch.Tensor) -> None:
     """See ``BoundState.write``."""
-    st._refuse_reentry("write()")
-    st._recover()
-    st.check_usable()
+    st._begin_use("write()")
     d = st.plan.buffers.get(name)
     if d is None:
         kind = "an object entry" if name in st.plan.objects else "not declared"
@@ -140,9 +138,7 @@ def check_value(st, name: str, d: BufferDecl, target: torch.Tensor, value: Any) 
 
 def pad(st, counts: Mapping[str, int], ends: Mapping[str, int] | None = None) -> None:
     """See ``BoundState.pad``."""
-    st._refuse_reentry("pad()")
-    st._recover()
-    st.check_usable()
+    st._begin_use("pad()")
     if st._active is not None:
         if st._owner != threading.get_ident():
             raise st._busy("pad()")
@@ -173,9 +169,7 @@ def pad(st, counts: Mapping[str, int], ends: Mapping[str, int] | None = None) ->
 
 def check(st) -> None:
     """See ``BoundState.check``."""
-    st._refuse_reentry("check()")
-    st._recover()
-    st.check_usable()
+    st._begin_use("check()")
     for name in st.plan.order:
         live = paths.get(st.obj, name)
         scratch = st._scratch.get(name)
