@@ -183,6 +183,27 @@ def _frozen_changed():
     r(torch.ones(2, 3), cfg)
 
 
+def _side_effect_forward():
+    ring = torch.zeros(4)
+
+    def fwd(x):
+        ring.add_(1)  # state the forward keeps, undeclared
+        return x + ring.sum()
+    return fwd
+
+
+def _starred_not_a_sequence():
+    class Holder:
+        def __init__(self):
+            self.layers = 3
+
+    spec = StateSpec("starred")
+    spec.buffer("layers[*].keys", shape=(2,))
+    reg = Registry()
+    reg.register(Holder, spec)
+    bind(Holder(), registry=reg)
+
+
 def _runner(fn=None, capture=True, **kw):
     """A small emulated runner over the mini metadata: x is the static input, meta frozen."""
     m, st = _mini()
@@ -386,6 +407,8 @@ CASES: list[Case] = [
          lambda: _bind(_spec(("buffer", "a", {"draft": CopyInPlace("s")})), a=T(4), s=T(3))),
     Case("bind-pad-dtype", BindError, "bind", "a padding value the buffer's dtype cannot hold (Pad.clamp(-3) on uint8)",
          lambda: _bind(_spec(("buffer", "a", {"axis": "seq", "pad": Pad.clamp(-3)})), a=T(4, dtype=torch.uint8))),
+    Case("bind-starred", BindError, "bind", "a `[*]` path over something without a length",
+         _starred_not_a_sequence),
     Case("bind-host-pinned", BindError, "bind", "a host buffer in pageable memory on a CUDA state (GPU only)",
          lambda: _bind(_spec(("buffer", "a", {}), ("buffer", "h", {"host": True})), a=T(3, device="cuda"), h=T(3)),
          needs_cuda=True),
@@ -454,6 +477,15 @@ CASES: list[Case] = [
     Case("capture-illegal", CaptureError, "capture", "`.item()` in the forward (emulated backend)", _illegal_item),
     Case("capture-raised", CaptureError, "capture", "the forward raising during capture (cause chained)",
          _body_raises),
+    Case("graph-side-effects-policy", DeclarationError, "declaration", "an unknown side_effects policy",
+         lambda: graphed(lambda x: x, side_effects="undo")),
+    Case("capture-side-effects", CaptureError, "capture",
+         "side_effects='error' and a forward writing state graphctl does not own",
+         lambda: graphed(_side_effect_forward(), buckets=[2], inputs=["x"], backend="emulated", progress=False,
+                         side_effects="error").capture_all(torch.ones(2, 3))),
+    Case("capture-side-effects-cap", CaptureError, "capture", "side effects larger than max_side_effect_bytes",
+         lambda: graphed(_side_effect_forward(), buckets=[2], inputs=["x"], backend="emulated", progress=False,
+                         max_side_effect_bytes=8).capture_all(torch.ones(2, 3))),
     Case("capture-twice", CaptureError, "capture", "capture_all() on a runner that holds graphs",
          lambda: (lambda r, m, x: r.capture_all(x, m))(*_runner())),
     Case("measure-early", CaptureError, "capture", "measure() before any capture",
