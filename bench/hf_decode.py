@@ -14,7 +14,9 @@ Each batch size gets a prefilled ``StaticCache`` per variant (same prompt), then
 
 Timed per step with CUDA events over ``--steps`` steps, the variants interleaved step by step
 (each on its own cache, all advancing in lockstep), median per step. Logits of (b) and (c) are
-compared with (a) at every step. Target: (b) <= 1.02 x (c), logits equal to eager.
+compared with (a) at every step. Target: (b) <= 1.02 x (c), logits equal to eager. Also
+reported: ``capture_all``'s wall time next to the hand-written capture's, and one eager step
+plain vs under the side-effect tracker (the cost each bucket's first warmup pays).
 
     python bench/hf_decode.py [--sizes 1 8] [--steps 30] [--layers 22] [--json out.json]
 """
@@ -25,11 +27,13 @@ import inspect
 import json
 import statistics
 import sys
+import time
 import warnings
 
 import torch
 
 import graphctl
+from graphctl.graphs.effects import WriteTracker, reachable
 
 
 def _model(layers: int):
@@ -87,6 +91,29 @@ def hand_written(model, kw, cache, bs):
     return step
 
 
+def _tracker_cost(model, kw, cache, tok, repeats: int = 5) -> tuple[float, float]:
+    """Median ms of one eager step plain and under the side-effect tracker (what each bucket's
+    first warmup pays), the cache restored after each."""
+    watched = reachable([("cache", cache), ("model", model)])
+    saved = [t.clone() for t in _cache_tensors(cache)]
+    out = {"plain": [], "tracked": []}
+    for _ in range(repeats):
+        for name in out:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if name == "plain":
+                _call(model, kw, tok, cache)
+            else:
+                with WriteTracker(watched, set()) as tracker:
+                    _call(model, kw, tok, cache)
+                tracker.undo()
+            torch.cuda.synchronize()
+            out[name].append((time.perf_counter() - t0) * 1e3)
+            for t, s in zip(_cache_tensors(cache), saved):
+                t.copy_(s)
+    return statistics.median(out["plain"]), statistics.median(out["tracked"])
+
+
 def run(sizes, steps, layers) -> dict:
     cfg, model, kw = _model(layers)
     rows = []
@@ -97,8 +124,15 @@ def run(sizes, steps, layers) -> dict:
                                    progress=False)
         gen = torch.Generator().manual_seed(2)
         first = torch.randint(0, cfg.vocab_size, (bs, 1), generator=gen).cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         gc_step.capture_all(first)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
         hand = hand_written(model, kw, caches[2], bs)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        plain_ms, tracked_ms = _tracker_cost(model, kw, caches[0], first)
         times = {"eager": [], "graphctl": [], "hand": []}
         equal = {"graphctl": True, "hand": True}
         for _ in range(steps):
@@ -118,7 +152,8 @@ def run(sizes, steps, layers) -> dict:
                          gc_over_hand=med["graphctl"] / med["hand"], eager_over_gc=med["eager"] / med["graphctl"],
                          equal_graphctl=equal["graphctl"], equal_hand=equal["hand"],
                          side_effects=len(gc_step.side_effects),
-                         snapshot_bytes=sum(e.nbytes for e in gc_step.side_effects)))
+                         snapshot_bytes=sum(e.nbytes for e in gc_step.side_effects),
+                         capture_s=t1 - t0, hand_capture_s=t2 - t1, step_ms=plain_ms, tracked_step_ms=tracked_ms))
         print(f"bs={bs}: eager {med['eager']:.0f} us, graphctl {med['graphctl']:.0f} us, hand {med['hand']:.0f} us, "
               f"equal graphctl={equal['graphctl']} hand={equal['hand']}", flush=True)
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers, "rows": rows}
@@ -146,6 +181,10 @@ def main(argv=None) -> int:
         print(f"{r['bs']:>4} {r['eager_us']:>9.1f} {r['graphctl_us']:>9.1f} {r['hand_us']:>9.1f} "
               f"{r['gc_over_hand']:>7.3f}x {r['eager_over_gc']:>8.2f}x {str(r['equal_graphctl']):>6} "
               f"{r['side_effects']:>8}")
+    for r in res["rows"]:
+        print(f"bs={r['bs']}: capture_all {r['capture_s']:.2f} s (hand-written capture {r['hand_capture_s']:.2f} s); "
+              f"one eager step {r['step_ms']:.1f} ms, under the side-effect tracker {r['tracked_step_ms']:.1f} ms; "
+              f"snapshots {r['snapshot_bytes'] / 2**20:.1f} MiB")
     worst = max(r["gc_over_hand"] for r in res["rows"])
     print(f"target graphctl/hand <= 1.02: worst {worst:.3f} -> {'MET' if worst <= 1.02 else 'MISSED'}")
     print(f"logits equal to eager: {all(r['equal_graphctl'] for r in res['rows'])}")

@@ -7,13 +7,14 @@ late, on garbage. No spec declares those tensors, and users should not have to.
 
 :func:`reachable` walks what a forward can reach (its arguments, a bound method's ``self``, the
 closure cells and the globals its code names, ``params``) and names every tensor by its path
-(``args[1].layers[0].keys``, ``model.embed_tokens.weight``). :class:`WriteTracker` runs the
-first eager warmup under a ``TorchDispatchMode``: every in-place or ``out=`` write into the
-storage of such a tensor is a side effect, recorded with the op and the user's file:line, and
-the tensor's contents are copied *before* the first write (copy on first write), so the
-warmup itself can be undone. The runner then snapshots those tensors around every warmup,
-capture, measure and verify run (``side_effects="restore"``), refuses them
-(``"error"``), or leaves them (``"ignore"``).
+(``args[1].layers[0].keys``, ``model.embed_tokens.weight``). :class:`WriteTracker` runs each
+bucket's first eager warmup under a ``TorchDispatchMode``: every in-place or ``out=`` write into
+the storage of such a tensor is a side effect, recorded with the op and the user's file:line,
+and the storage is copied *before* the first write (copy on first write), so the warmup itself
+can be undone. The :class:`Ledger` applies the policy: ``"restore"`` keeps those copies (one
+per storage) and the runner puts them back after every warmup, capture, measure and verify
+run; ``"error"`` refuses them; ``"ignore"`` leaves them. Whole storages, not the rows an
+``index_copy_`` touched: a replay writes where device data says, which the host cannot see.
 """
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from graphctl.errors import CaptureError, DeclarationError
 from graphctl.graphs.emulated import user_frame
 
-__all__ = ["SideEffect", "WriteTracker", "reachable", "roots_of", "storage_bytes", "storage_key", "POLICIES"]
+__all__ = ["Ledger", "SideEffect", "WriteTracker", "reachable", "roots_of", "storage_bytes", "storage_key",
+           "POLICIES"]
 
 POLICIES = ("restore", "error", "ignore")
 _MAX_DEPTH = 6
@@ -169,3 +172,69 @@ class WriteTracker(TorchDispatchMode):
     @property
     def effects(self) -> tuple[SideEffect, ...]:
         return tuple(self.found.values())
+
+
+class Ledger:
+    """A runner's side effects: the policy, the cap, what the tracked warmups found, and the
+    live storages to snapshot. Each bucket's first warmup is tracked (a bucket may reach state
+    another does not: a cache per batch size); effects accumulate, first finding wins."""
+
+    def __init__(self, policy: str, cap: int | None) -> None:
+        if policy not in POLICIES:
+            raise DeclarationError("unknown side_effects policy", expected=" / ".join(POLICIES), found=policy,
+                                   fix="restore (default): undo what warmups and captures write to state graphctl "
+                                       "does not own; error: refuse such a forward; ignore: leave it")
+        self.policy, self.cap = policy, cap
+        self.found: dict[tuple[str, int], SideEffect] = {}
+        self.tensors: list[torch.Tensor] = []  # whole-storage views of what policy "restore" snapshots
+
+    @property
+    def effects(self) -> tuple[SideEffect, ...]:
+        return tuple(self.found.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.found.values())
+
+    def clear(self) -> None:
+        self.found.clear()
+        self.tensors = []
+
+    def track(self, run: Callable[[], Any], watched: dict, owned: set, sync: Callable[[], None]) \
+            -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Run ``run`` (one eager warmup) under a :class:`WriteTracker`, undo what it wrote
+        (whatever happened), apply the policy to what is new, and hand back ``(live, copy)``
+        pairs of the new tensors to snapshot: the tracker's copies, so nothing is cloned twice."""
+        tracker = WriteTracker(watched, owned | set(self.found))
+        try:
+            with tracker:
+                run()
+        finally:
+            sync()
+            tracker.undo()  # the caller's state as it was, whatever happened
+            sync()
+        new = tracker.found
+        pairs = list(tracker.saved.values())
+        # GC is off during capture_all: drop the tracker's references now, or every tensor it
+        # watched would look held by someone (the audit would call a freed temporary "live")
+        tracker.watched.clear()
+        tracker.saved.clear()
+        if not new or self.policy == "ignore":
+            self.found.update(new)
+            return []
+        effects = (*self.found.values(), *new.values())
+        listing = "; ".join(map(str, effects))
+        total = sum(e.nbytes for e in effects)
+        if self.policy == "error":
+            raise CaptureError("the forward writes state graphctl does not own", buffer=effects[0].path,
+                               expected="no writes outside static inputs, outputs and declared buffers",
+                               found=listing, fix="declare them in a StateSpec (mutable=True), or pass "
+                                                  "side_effects='restore' to have graphctl undo them")
+        if self.cap is not None and total > self.cap:
+            raise CaptureError("side effects exceed the snapshot cap", buffer=effects[0].path,
+                               expected=f"at most {self.cap:,} B of snapshots", found=f"{total:,} B: {listing}",
+                               fix="raise max_side_effect_bytes, declare the state in a StateSpec, or pass "
+                                   "side_effects='ignore' and reset it yourself")
+        self.found.update(new)
+        self.tensors += [live for live, _ in pairs]
+        return pairs

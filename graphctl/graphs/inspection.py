@@ -65,19 +65,21 @@ class Inspection:
         items = self._batch((), arguments)[0]
         sizes = range(1, min(items, self.buckets.largest) + 1) if sizes is None else sizes
         out: dict[int, str] = {}
-        for n in sizes:
-            if n > items:
-                continue  # the example cannot make a batch this large
-            args, kwargs = self._assemble({**arguments, **self._head(arguments, n)})
-            before = dict(self._fallbacks)
-            try:
-                with self._guard:
+        with self.guard_all() as given:  # the caller's state (and side effects) back after every call
+            for n in sizes:
+                if n > items:
+                    continue  # the example cannot make a batch this large
+                args, kwargs = self._assemble({**arguments, **self._head(arguments, n)})
+                before = dict(self._fallbacks)
+                try:
                     self(*args, **kwargs)
-            except ReplayError as exc:
-                out[n] = f"error: {str(exc).splitlines()[0]}"
-                continue
-            new = [r for r, c in self._fallbacks.items() if c > before.get(r, 0)]
-            out[n] = f"eager: {new[0]}" if new else f"bucket {self.buckets.pick(n)}"
+                except ReplayError as exc:
+                    out[n] = f"error: {str(exc).splitlines()[0]}"
+                    continue
+                finally:
+                    given.restore()
+                new = [r for r, c in self._fallbacks.items() if c > before.get(r, 0)]
+                out[n] = f"eager: {new[0]}" if new else f"bucket {self.buckets.pick(n)}"
         return out
 
     def verify(self, **options: Any) -> tuple:

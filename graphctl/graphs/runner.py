@@ -44,7 +44,7 @@ from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs.backends import select_backend
 from graphctl.graphs.cuda import refuse_nested_capture
 from graphctl.graphs.distributed import Agreement, agreed_switch
-from graphctl.graphs.effects import POLICIES, SideEffect, WriteTracker, reachable, roots_of, storage_key
+from graphctl.graphs.effects import Ledger, SideEffect, reachable, roots_of, storage_key
 from graphctl.graphs.nodes import Region
 from graphctl.graphs.frozen import first_change, freeze
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, InputSlot, StaticInput
@@ -107,19 +107,28 @@ class _Guard:
                  extra: Sequence[torch.Tensor] = ()) -> None:
         self._live = ([state.tensor(n) for n in names(state)] if state is not None else []) + list(extra)
         self._saved = [t.clone() for t in self._live]
+        self._declared = len(self._live) - len(extra)  # the state's buffers come first
 
     def add(self, tensors: Sequence[torch.Tensor]) -> None:
         """Guard ``tensors`` too, from their contents now."""
         self._live += list(tensors)
         self._saved += [t.clone() for t in tensors]
 
+    def adopt(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Guard each ``(live, copy)`` with the copy given (already the contents to restore)."""
+        self._live += [live for live, _ in pairs]
+        self._saved += [copy for _, copy in pairs]
+
     def __enter__(self) -> "_Guard":
         for s, t in zip(self._saved, self._live):
             s.copy_(t)
         return self
 
-    def restore(self) -> None:
-        for s, t in zip(self._saved, self._live):
+    def restore(self, added_only: bool = False) -> None:
+        """Put everything back, or (``added_only``) only what is not a buffer of the state:
+        side effects, without undoing a bucket's padding of the state."""
+        start = self._declared if added_only else 0
+        for s, t in zip(self._saved[start:], self._live[start:]):
             t.copy_(s)
 
     def __exit__(self, *exc) -> None:
@@ -171,14 +180,7 @@ class GraphRunner(Inspection):
                              params=params, group=group, side_effects=side_effects,
                              max_side_effect_bytes=max_side_effect_bytes)
         self.buckets = Buckets(buckets)
-        if side_effects not in POLICIES:
-            raise DeclarationError("unknown side_effects policy", expected=" / ".join(POLICIES), found=side_effects,
-                                   fix="restore (default): undo what warmups and captures write to state graphctl "
-                                       "does not own; error: refuse such a forward; ignore: leave it")
-        self.side_effect_policy = side_effects
-        self.max_side_effect_bytes = max_side_effect_bytes
-        self.side_effects: tuple[SideEffect, ...] = ()  # found by the first warmup (see graphs/effects.py)
-        self._effect_tensors: list[torch.Tensor] = []
+        self._ledger = Ledger(side_effects, max_side_effect_bytes)  # found by each bucket's first warmup
         # state="attr" names the instance's metadata when a method is decorated (see __get__)
         self._state_attr = state if isinstance(state, str) else None
         if state is None or self._state_attr is not None:
@@ -218,6 +220,15 @@ class GraphRunner(Inspection):
         self._guard: _Guard | None = None
         self._example: tuple[tuple, dict] | None = None
         self.workspaces: tuple[Region, ...] = ()
+
+    @property
+    def side_effects(self) -> tuple[SideEffect, ...]:
+        """What the forward writes that graphctl does not own (see ``graphs/effects.py``)."""
+        return self._ledger.effects
+
+    @property
+    def side_effect_policy(self) -> str:
+        return self._ledger.policy
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         """A decorated method gets one runner per instance (its own graphs, inputs and state)."""
@@ -379,13 +390,15 @@ class GraphRunner(Inspection):
                 for it in range(self.warmup_iters):
                     try:
                         with self._guard:
-                            if i == 0 and it == 0:  # the first run finds the side effects (and undoes them)
-                                self._tracked_warmup(arguments, call, given)
+                            if it == 0:  # a bucket's first run finds its side effects (and undoes them)
+                                given.adopt(self._tracked_warmup(arguments, call))
                             else:
                                 be.warmup(lambda: self.fn(*call[0], **call[1]))
                     except BaseException as exc:
                         exc.add_note(f"graphctl: raised while warming up bucket {b}; the caller's state was restored")
                         raise
+                    if self._ledger.tensors:  # the next run starts from the caller's state too
+                        given.restore(added_only=True)
                 if bar:
                     bar.update(task, advance=1, description=f"warmup bucket {b}")
             be.synchronize()
@@ -404,52 +417,26 @@ class GraphRunner(Inspection):
                                f"({time.perf_counter() - t_start:.1f}s, pool {pool_mib:.1f} MiB)")
             self._settle_slicing()
 
-    def _tracked_warmup(self, arguments: dict[str, Any], call: tuple[tuple, dict], given: _Guard) -> None:
-        """The first eager run, under the write tracker: what it writes to tensors the forward
-        reaches but graphctl does not own is a side effect (see ``graphs/effects.py``)."""
+    def _tracked_warmup(self, arguments: dict[str, Any], call: tuple[tuple, dict]) -> list:
+        """An eager run under the write tracker: what it writes to tensors the forward reaches
+        but graphctl does not own is a side effect. Returns the new ``(live, copy)`` pairs."""
         owned = {storage_key(slot.static) for slot in self._slots}
         if self.state is not None:
             owned |= {storage_key(self.state.tensor(n)) for n in self.state.plan.buffers}
             owned |= {storage_key(t) for t in self.state.arenas().values()}
-        tracker = WriteTracker(reachable(roots_of(self.fn, arguments, self.params)), owned)
-        try:
-            with tracker:
-                self._backend.warmup(lambda: self.fn(*call[0], **call[1]))
-        finally:
-            self._backend.synchronize()
-            tracker.undo()  # the caller's state as it was, whatever happened
-            self._backend.synchronize()
-        self.side_effects = tracker.effects
-        written = [live for live, _ in tracker.saved.values()]
-        # GC is off during capture_all: drop the tracker's references now, or every tensor it
-        # watched would look held by someone (the audit would call a freed temporary "live")
-        tracker.watched.clear()
-        tracker.saved.clear()
-        if not self.side_effects or self.side_effect_policy == "ignore":
-            return
-        listing = "; ".join(map(str, self.side_effects))
-        total = sum(e.nbytes for e in self.side_effects)
-        if self.side_effect_policy == "error":
-            raise CaptureError("the forward writes state graphctl does not own", buffer=self.side_effects[0].path,
-                               expected="no writes outside static inputs, outputs and declared buffers",
-                               found=listing, fix="declare them in a StateSpec (mutable=True), or pass "
-                                                  "side_effects='restore' to have graphctl undo them")
-        if self.max_side_effect_bytes is not None and total > self.max_side_effect_bytes:
-            raise CaptureError("side effects exceed the snapshot cap", buffer=self.side_effects[0].path,
-                               expected=f"at most {self.max_side_effect_bytes:,} B of snapshots",
-                               found=f"{total:,} B: {listing}",
-                               fix="raise max_side_effect_bytes, declare the state in a StateSpec, or pass "
-                                   "side_effects='ignore' and reset it yourself")
-        self._effect_tensors = written
-        log.info("graphctl: %s writes state it does not own (restored around every warmup, capture, measure "
-                 "and verify run, %d B of snapshots): %s", getattr(self.fn, "__qualname__", self.fn), total, listing)
-        self._guard.add(self._effect_tensors)
-        given.add(self._effect_tensors)
+        be = self._backend
+        pairs = self._ledger.track(lambda: be.warmup(lambda: self.fn(*call[0], **call[1])),
+                                   reachable(roots_of(self.fn, arguments, self.params)), owned, be.synchronize)
+        if pairs:
+            log.info("graphctl: %s writes state it does not own (restored around every warmup, capture, measure "
+                     "and verify run, %d B of snapshots): %s", getattr(self.fn, "__qualname__", self.fn),
+                     self._ledger.nbytes, "; ".join(map(str, self.side_effects)))
+        return pairs
 
     def guard_all(self) -> _Guard:
         """A snapshot of everything a run of the forward may change that the caller owns: every
         declared buffer but Stable scratch, and the side effects being restored."""
-        return _Guard(self.state, BoundState.restorable_names, self._effect_tensors)
+        return _Guard(self.state, BoundState.restorable_names, self._ledger.tensors)
 
     def _capture_one(self, bucket: int, arguments: dict[str, Any], pool: Any) -> None:
         call = self._call_args(arguments, bucket)
@@ -507,7 +494,7 @@ class GraphRunner(Inspection):
     def reset(self) -> None:
         """Drop every graph (and the static inputs); the next call captures again."""
         self._graphs.clear()
-        self.side_effects, self._effect_tensors = (), []
+        self._ledger.clear()
         self._slots, self._in_pos = (), ()
         self._inputs = self._declared
         self._example = None

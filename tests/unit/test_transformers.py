@@ -115,3 +115,79 @@ def test_a_compiled_model_decode_under_graphed_equals_eager():
             want = model(tok, **{kw: ref}, use_cache=True).logits
         torch.testing.assert_close(f(tok).clone(), want, rtol=1e-5, atol=1e-5)
     assert _same(cache, ref)
+
+
+def _views(cfg, big, sizes):
+    out = {}
+    for n in sizes:
+        c = StaticCache(config=cfg, max_cache_len=32)
+        for mine, theirs in zip(c.layers, big.layers):
+            mine.lazy_initialization(theirs.keys[:n], theirs.values[:n])
+            mine.keys, mine.values = theirs.keys[:n], theirs.values[:n]
+            mine.cumulative_length = theirs.cumulative_length
+        out[n] = c
+    return out
+
+
+def test_one_max_batch_cache_sliced_to_buckets_equals_eager_on_the_live_rows():
+    # Issue 15: a batch sliced to buckets from one max-batch cache (views per bucket) must leave the cache as
+    # eager leaves it on the live rows, whichever bucket served the call.
+    cfg, model = _model()
+    big, ref = _prefilled(cfg, model), _prefilled(cfg, model)
+    kw = _cache_kw()
+    caches = _views(cfg, big, (2, 4, 8))
+
+    @graphctl.graphed(buckets=[2, 4, 8], inputs=["tok"], backend="emulated", progress=False)
+    def step(tok):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return model(tok, **{kw: caches[tok.shape[0]]}, use_cache=True).logits
+
+    gen = torch.Generator().manual_seed(4)
+    step.capture_all(torch.randint(0, VOCAB, (B, 1), generator=gen))
+    assert _same(big, ref), "capture_all moved the caller's max-batch cache"
+    for n in (3, 8, 1):  # inside bucket 4 (row 3 is padding), a full bucket, inside bucket 2
+        tok = torch.randint(0, VOCAB, (n, 1), generator=gen)
+        full = torch.cat([tok, torch.randint(0, VOCAB, (B - n, 1), generator=gen)])
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            want = model(full, **{kw: ref}, use_cache=True).logits[:n]
+        got = step(tok).clone()
+        assert got.shape[0] == n
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for mine, theirs in zip(big.layers, ref.layers):
+            assert torch.equal(mine.cumulative_length, theirs.cumulative_length)
+            torch.testing.assert_close(mine.keys[:n], theirs.keys[:n], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(mine.values[:n], theirs.values[:n], rtol=1e-5, atol=1e-5)
+        for mine, theirs in zip(big.layers, ref.layers):  # rows past n: the reference's, so both go on alike
+            theirs.keys[n:].copy_(mine.keys[n:])
+            theirs.values[n:].copy_(mine.values[n:])
+
+
+def test_a_cache_per_bucket_is_found_and_restored_for_every_bucket():
+    # Issue 15: only the first bucket's warmup was tracked, so a cache that only another bucket reaches was
+    # advanced by that bucket's warmups and capture, silently.
+    cfg, model = _model()
+    kw = _cache_kw()
+    caches = {n: StaticCache(config=cfg, max_cache_len=32) for n in (4, 8)}
+    for n, c in caches.items():
+        ids = torch.randint(0, VOCAB, (n, PREFILL), generator=torch.Generator().manual_seed(n))
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model(ids, **{kw: c}, use_cache=True)
+    before = {n: [(l.keys.clone(), l.values.clone(), l.cumulative_length.clone()) for l in c.layers]
+              for n, c in caches.items()}
+
+    @graphctl.graphed(buckets=[4, 8], inputs=["tok"], backend="emulated", progress=False)
+    def step(tok):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return model(tok, **{kw: caches[tok.shape[0]]}, use_cache=True).logits
+
+    step.capture_all(torch.randint(0, VOCAB, (B, 1)))
+    for n, c in caches.items():
+        for layer, (k, v, L) in zip(c.layers, before[n]):
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+            assert torch.equal(layer.cumulative_length, L), f"bucket {n}'s cache was advanced"
+    paths = {e.path for e in step.side_effects}
+    assert "caches[4].layers[0].keys" in paths and "caches[8].layers[0].keys" in paths, paths
