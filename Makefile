@@ -2,30 +2,32 @@
 #   make demo   - create .venv, build graphctl (with CUDA kernels when possible), run the main job:
 #                 graphctl capture --verify --audit on the built-in reference engine
 #   make test   - create .venv, build graphctl, run the test suite
-# Everything is installed from this repository's own files into .venv.
+# Everything is installed from pyproject.toml, the one list of dependencies: first its build
+# requirements (torch among them), then graphctl itself, editable, with the dev extra, built
+# against that torch (no build isolation). setup.py finds the CUDA toolkit itself.
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# torch finds the toolkit through CUDA_HOME; an nvcc copied to /usr/local/bin would make it
-# guess /usr/local, which has no libcudart, so prefer the toolkit directory itself.
-NVCC   := $(shell command -v nvcc 2>/dev/null)
-export CUDA_HOME ?= $(if $(NVCC),$(or $(wildcard /usr/local/cuda),$(patsubst %/bin/nvcc,%,$(realpath $(NVCC)))),)
 export MAX_JOBS ?= 2
+# pip's notices (a newer pip exists, running as root) are not what a newcomer came to read
+export PIP_DISABLE_PIP_VERSION_CHECK = 1
+export PIP_ROOT_USER_ACTION = ignore
 
 .PHONY: demo example test test-cuda build venv info clean
 
-$(VENV)/.deps: pyproject.toml requirements/venv.txt
+$(VENV)/.deps: pyproject.toml scripts/build-requires.py
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q -r requirements/venv.txt
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $$($(PYTHON) scripts/build-requires.py)
 	touch $@
 
 venv: $(VENV)/.deps
 
 $(VENV)/.built: $(VENV)/.deps setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
-	$(PIP) install -q --no-build-isolation --no-deps -e .
+	@# setuptools' editable-install notice (a warning, whatever the mode) is not for a newcomer to read
+	PYTHONWARNINGS="ignore:Editable installation" $(PIP) install -q --no-build-isolation -e '.[dev]'
 	touch $@
 
 build: $(VENV)/.built

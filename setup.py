@@ -1,9 +1,19 @@
 """Builds the one extension, ``graphctl._C``, from ``csrc/``.
 
-The CPU kernels are always compiled. The CUDA kernels (``csrc/cuda/*.cu``) are compiled
-when torch was built with CUDA and nvcc is found (``GRAPHCTL_BUILD_CUDA=auto``), always
-(``=1``, failing loudly if impossible) or never (``=0``). The versions this build used are
-written to ``graphctl/_build.json`` so ``graphctl info`` can show them next to the runtime.
+The CPU kernels are always compiled. The CUDA kernels (``csrc/cuda/*.cu``) are compiled when
+they can be (``GRAPHCTL_BUILD_CUDA=auto``): torch was built with CUDA and a CUDA toolkit is
+found whose nvcc, ``cuda_runtime.h`` and ``libcudart`` are all there and whose major version is
+torch's. Otherwise the build says why in one line and compiles the CPU kernels only.
+``GRAPHCTL_BUILD_CUDA=1`` turns that line into an error (CI sets it); ``=0`` never builds CUDA.
+
+The toolkit is searched by ``graphctl/toolkit.py`` rather than left to torch, whose guess from
+an ``nvcc`` wrapper in ``/usr/local/bin`` is ``/usr/local`` (no ``libcudart``: the link fails
+minutes into the build).
+
+What the build used is written to ``graphctl/_build.json`` beside the built extension (in
+the wheel, or in the source tree for in-place and editable builds) after a successful build
+only, so ``graphctl info`` can show it next to the runtime. A failed build removes the
+``build/`` and ``*.egg-info`` folders it created in the source tree.
 """
 from __future__ import annotations
 
@@ -13,7 +23,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 
 from setuptools import setup
@@ -21,76 +30,110 @@ from setuptools import setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def _load_knobs():
+def _by_path(name: str):
     # By path: importing the package here would try to load the extension being built.
-    spec = importlib.util.spec_from_file_location("_graphctl_debug", os.path.join(ROOT, "graphctl", "debug.py"))
+    spec = importlib.util.spec_from_file_location(f"_graphctl_{name}", os.path.join(ROOT, "graphctl", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses needs the module registered
     spec.loader.exec_module(mod)
-    return mod.knobs
+    return mod
 
 
-def _nvcc_version(cuda_home: str | None) -> str | None:
-    nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else shutil.which("nvcc")
-    if not nvcc or not os.path.exists(nvcc):
-        return None
-    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    for token in out.replace(",", " ").split():
-        if token.startswith("V") and token[1:2].isdigit():
-            return token[1:]
-    return out.strip().splitlines()[-1] if out.strip() else None
+def _load_knobs():
+    return _by_path("debug").knobs
+
+
+def _plan():
+    """Decide what to build before torch's build helpers are imported (they read CUDA_HOME once)."""
+    import torch
+
+    knobs = _load_knobs()
+    if knobs.build_cuda == "0":
+        return None, None, "GRAPHCTL_BUILD_CUDA=0"
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} is a CPU build"
+    else:
+        toolkit = _by_path("toolkit")
+        home, why = toolkit.find(knobs.cuda_home)
+        if home is not None:
+            nvcc = toolkit.nvcc_version(home)
+            if nvcc is None:
+                why = f"{home}/bin/nvcc does not run"
+            elif nvcc.split(".")[0] != torch.version.cuda.split(".")[0]:
+                why = f"nvcc {nvcc} in {home} and torch's CUDA {torch.version.cuda} differ in major version"
+            else:
+                return home, nvcc, why
+    if knobs.build_cuda == "1":
+        raise SystemExit(f"graphctl build: GRAPHCTL_BUILD_CUDA=1 but the CUDA kernels cannot be built: {why}. "
+                         f"Install a CUDA build of torch and the matching CUDA toolkit (or point CUDA_HOME at it), "
+                         f"or set GRAPHCTL_BUILD_CUDA=auto.")
+    return None, None, why
 
 
 def _extensions():
     import torch
+
+    home, nvcc, why = _plan()
+    if home is not None:
+        os.environ["CUDA_HOME"] = home  # before cpp_extension is imported: it reads it once
     from torch.utils import cpp_extension
 
     knobs = _load_knobs()
+    with_cuda = home is not None
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", knobs.arch_list)
-    cuda_home = cpp_extension.CUDA_HOME
-    nvcc = _nvcc_version(cuda_home)
-    can_cuda = torch.version.cuda is not None and nvcc is not None
-    if knobs.build_cuda == "1" and not can_cuda:
-        raise RuntimeError(
-            f"GRAPHCTL_BUILD_CUDA=1 but CUDA kernels cannot be built: torch.version.cuda="
-            f"{torch.version.cuda!r}, nvcc={'found ' + nvcc if nvcc else 'not found'} "
-            f"(CUDA_HOME={cuda_home!r}). Install a CUDA build of torch and the CUDA toolkit, "
-            f"or set GRAPHCTL_BUILD_CUDA=auto."
-        )
-    with_cuda = can_cuda and knobs.build_cuda != "0"
-
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cxx = ["-O3"]  # torch picks the C++ standard it needs (C++17 up to 2.13, C++20 from 2.14)
-    define_macros = []
     if with_cuda:
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-        define_macros.append(("GRAPHCTL_WITH_CUDA", "1"))
         ext = cpp_extension.CUDAExtension(
-            "graphctl._C", sources, define_macros=define_macros,
+            "graphctl._C", sources, define_macros=[("GRAPHCTL_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
         )
+        print(f"graphctl build: CUDA + CPU kernels (torch {torch.__version__}, CUDA toolkit {why}, nvcc {nvcc}, "
+              f"arch {os.environ['TORCH_CUDA_ARCH_LIST']})")
     else:
-        ext = cpp_extension.CppExtension("graphctl._C", sources, define_macros=define_macros,
-                                         extra_compile_args={"cxx": cxx})
+        ext = cpp_extension.CppExtension("graphctl._C", sources, extra_compile_args={"cxx": cxx})
+        print(f"graphctl build: CPU kernels only, because {why} (GRAPHCTL_BUILD_CUDA=1 makes this an error)")
 
-    build = {
+    record = {
         "graphctl_c": True,
         "with_cuda": with_cuda,
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "nvcc": nvcc,
-        "cuda_home": cuda_home,
+        "cuda_home": home,
         "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else None,
+        "why_no_cuda": None if with_cuda else why,
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
-    with open(os.path.join(ROOT, "graphctl", "_build.json"), "w") as f:
-        json.dump(build, f, indent=2, sort_keys=True)
-        f.write("\n")
-    print(f"graphctl build: {'CUDA + CPU' if with_cuda else 'CPU only'} kernels "
-          f"(torch {torch.__version__}, torch CUDA {torch.version.cuda}, nvcc {nvcc})")
-    return [ext], cpp_extension.BuildExtension
+
+    class BuildExt(cpp_extension.BuildExtension):
+        """torch's build_ext, then the build record beside the extension it built."""
+
+        def run(self) -> None:
+            super().run()
+            base = ROOT if self.inplace else self.build_lib
+            path = os.path.join(base, "graphctl", "_build.json")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(record, f, indent=2, sort_keys=True)
+                f.write("\n")
+
+    return [ext], BuildExt.with_options(use_ninja=bool(shutil.which("ninja")))
 
 
-exts, build_ext = _extensions()
-setup(ext_modules=exts, cmdclass={"build_ext": build_ext.with_options(use_ninja=bool(shutil.which("ninja")))})
+def _main() -> None:
+    existed = {p for p in (os.path.join(ROOT, "build"), *glob.glob(os.path.join(ROOT, "*.egg-info")))}
+    try:
+        exts, build_ext = _extensions()
+        setup(ext_modules=exts, cmdclass={"build_ext": build_ext})
+    except BaseException:
+        # A failed build leaves the source tree as it found it (what was there before stays).
+        for p in (os.path.join(ROOT, "build"), *glob.glob(os.path.join(ROOT, "*.egg-info"))):
+            if p not in existed:
+                shutil.rmtree(p, ignore_errors=True)
+        raise
+
+
+_main()

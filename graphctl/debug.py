@@ -67,35 +67,50 @@ KNOBS: tuple[Knob, ...] = (
          "Do not load `graphctl._C`; every op runs its pure-PyTorch reference. `graphctl info` "
          "reports the reason."),
     Knob("build_cuda", "GRAPHCTL_BUILD_CUDA", _parse_choice("auto", "0", "1"), "auto", "build",
-         "`auto`: build the CUDA kernels when torch has CUDA and nvcc is found; `1`: require "
-         "them (the build fails otherwise); `0`: CPU-only build."),
+         "`auto`: build the CUDA kernels when torch has CUDA and a toolkit of its major version is "
+         "found (else one line says why, and the CPU kernels are built); `1`: require them (the "
+         "build fails, saying why); `0`: CPU-only build."),
+    Knob("cuda_home", "CUDA_HOME", str, "", "build",
+         "The CUDA toolkit to build the kernels with (torch's own variable). Unset: `setup.py` "
+         "searches the real directory of `nvcc` on `PATH`, `/usr/local/cuda`, then `/usr/local/cuda-*`, "
+         "and takes the first with nvcc, `cuda_runtime.h` and `libcudart`; set: only it."),
     Knob("arch_list", "TORCH_CUDA_ARCH_LIST", str, "9.0a;10.0a", "build",
          "CUDA architectures to compile for (torch's own variable); graphctl's default targets "
          "H100/H200 (`9.0a`) and B200 (`10.0a`)."),
     Knob("hypothesis_profile", "GRAPHCTL_HYPOTHESIS_PROFILE", _parse_choice("ci", "thorough", "dev"),
          "ci", "test",
-         "Hypothesis profile for `tests/property`: `ci` (200 examples x 30 steps), `thorough` "
-         "(2000 x 60, for the GPU machine or a night run), `dev` (20 x 10)."),
+         "Hypothesis profile for `graphctl.testing`'s machines and `tests/property`: `ci` (200 examples "
+         "x 30 steps), `thorough` (2000 x 60, for the GPU machine or a night run), `dev` (20 x 10). "
+         "Registered as `graphctl-<name>`; in any pytest run with graphctl installed, setting it loads it."),
 )
 
 
 class _Knobs:
     """Attribute access to the parsed values (a dict lookup, cheap enough for hot paths)."""
 
-    __slots__ = ("_values",)
+    __slots__ = ("_values", "_given")
 
     def __init__(self) -> None:
         values: dict[str, Any] = {}
+        given = set()
         for knob in KNOBS:
             raw = os.environ.get(knob.env)
             if raw is None:
                 values[knob.attr] = knob.default
                 continue
+            given.add(knob.attr)
             try:
                 values[knob.attr] = knob.parse(raw)
             except ValueError as exc:
                 raise ValueError(f"environment variable {knob.env}: {exc}") from None
         object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_given", frozenset(given))
+
+    def given(self, name: str) -> bool:
+        """Whether the environment set this knob (rather than its default applying)."""
+        if name not in self._values:
+            raise AttributeError(f"no graphctl knob named {name!r}")
+        return name in self._given
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -1,19 +1,14 @@
-"""Shared test configuration: hypothesis profiles (selected by GRAPHCTL_HYPOTHESIS_PROFILE,
-see docs/knobs.md) and the CUDA skip for tests/cuda."""
+"""Shared test configuration: the hypothesis profile (graphctl/testing/profiles.py, selected
+by GRAPHCTL_HYPOTHESIS_PROFILE, see docs/knobs.md) and the CUDA skip for tests/cuda."""
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 
-from graphctl.debug import knobs
+from graphctl.testing.profiles import load
 
-_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                      HealthCheck.filter_too_much])
-settings.register_profile("ci", max_examples=200, stateful_step_count=30, **_COMMON)
-settings.register_profile("thorough", max_examples=2000, stateful_step_count=60, **_COMMON)
-settings.register_profile("dev", max_examples=20, stateful_step_count=10, **_COMMON)
-settings.load_profile(knobs.hypothesis_profile)
+# this repository's runs always use a graphctl profile (ci unless GRAPHCTL_HYPOTHESIS_PROFILE says)
+load()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -185,7 +185,7 @@ def run_capture(args) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError as exc:
-            con.print(f"[red]graphctl capture: --plot needs matplotlib ({exc}); pip install matplotlib, or drop --plot")
+            con.print(f"[red]graphctl capture: --plot needs matplotlib ({exc}): pip install 'graphctl[plot]', or drop --plot")
             return 2
     bad = _unwritable(args)
     if bad:

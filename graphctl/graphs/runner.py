@@ -142,8 +142,8 @@ def _gc_frozen() -> Iterator[None]:
     # and costs seconds across many buckets; collect once, then hold it off.
     gc.collect()
     was = gc.isenabled()
-    gc.disable()
-    try:
+    try:  # disable inside the try: a Ctrl-C right after it must still re-enable collection
+        gc.disable()
         yield
     finally:
         if was:
