@@ -124,7 +124,8 @@ def _extensions():
 
 
 def _main() -> None:
-    existed = {p for p in (os.path.join(ROOT, "build"), *glob.glob(os.path.join(ROOT, "*.egg-info")))}
+    made = (os.path.join(ROOT, "build"), *glob.glob(os.path.join(ROOT, "*.egg-info")))
+    existed = {p for p in made if os.path.exists(p)}
     try:
         exts, build_ext = _extensions()
         setup(ext_modules=exts, cmdclass={"build_ext": build_ext})

@@ -80,7 +80,9 @@ def run_info(as_json: bool = False) -> int:
     t.add_row("cuda-bindings", "-", str(feats.get("cuda_bindings") or "not installed"))
     t.add_row("bindings runtime", "-", str(feats.get("bindings_runtime") or "-"))
     t.add_row("nvcc", str(b.get("nvcc", "-")), "-")
-    t.add_row("CUDA kernels", str(b.get("with_cuda", "-")), str(data["extension"]["with_cuda"]))
+    t.add_row("CUDA toolkit", str(b.get("cuda_home") or "-"), "-")
+    why = f" ({b['why_no_cuda']})" if b.get("why_no_cuda") else ""
+    t.add_row("CUDA kernels", f"{b.get('with_cuda', '-')}{why}", str(data["extension"]["with_cuda"]))
     t.add_row("arch list", str(b.get("arch_list", "-")), "-")
     ext = data["extension"]
     t.add_row("graphctl._C", "built" if b else "not built", "loaded" if ext["loaded"] else f"[red]not loaded: {ext['error']}")

@@ -104,3 +104,55 @@ def test_dependencies_live_in_pyproject_only():
     assert {"torch", "cuda-bindings", "nvidia-ml-py", "hypothesis", "numpy", "rich"} <= names
     assert "matplotlib>=3.7" in project["optional-dependencies"]["plot"]
     assert not os.path.exists(os.path.join(root, "requirements"))
+
+
+def _setup_py(tmp_path, *args, broken_source=False, **env):
+    """Run a copy of setup.py (with the two stdlib modules it loads and csrc/) in ``tmp_path``."""
+    import shutil
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    shutil.copy(os.path.join(root, "setup.py"), tmp_path)
+    (tmp_path / "graphctl").mkdir()
+    for name in ("debug.py", "toolkit.py"):
+        shutil.copy(os.path.join(root, "graphctl", name), tmp_path / "graphctl")
+    (tmp_path / "csrc").mkdir()
+    if broken_source:
+        (tmp_path / "csrc" / "broken.cpp").write_text("this is not C++;\n")
+    e = {**os.environ, **env}
+    return subprocess.run([sys.executable, "setup.py", *args], cwd=tmp_path, env=e, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_without_a_usable_toolkit_the_build_says_why_in_one_line_and_builds_cpu_kernels(tmp_path):
+    # Issue 16: `pip install .` failed minutes in on `cannot find -lcudart` instead of saying why it cannot build CUDA.
+    broken = tmp_path / "toolkit"
+    _toolkit(str(broken), lib=False)
+    work = tmp_path / "src"
+    work.mkdir()
+    r = _setup_py(work, "--name", CUDA_HOME=str(broken), GRAPHCTL_BUILD_CUDA="auto")
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("graphctl build:")]
+    assert len(lines) == 1 and "CPU kernels only, because" in lines[0], r.stdout
+    import torch
+
+    if torch.version.cuda is not None:
+        assert "no libcudart" in lines[0] and str(broken) in lines[0], lines[0]
+
+
+def test_build_cuda_1_without_a_toolkit_fails_at_once_saying_why(tmp_path):
+    # Issue 16: CI demands the CUDA kernels; a missing toolkit must fail the build before any compile, naming it.
+    broken = tmp_path / "toolkit"
+    _toolkit(str(broken), header=False)
+    work = tmp_path / "src"
+    work.mkdir()
+    r = _setup_py(work, "--name", CUDA_HOME=str(broken), GRAPHCTL_BUILD_CUDA="1")
+    assert r.returncode != 0
+    assert "GRAPHCTL_BUILD_CUDA=1 but the CUDA kernels cannot be built" in r.stderr + r.stdout
+
+
+def test_a_failed_build_leaves_no_build_folder_or_build_record_behind(tmp_path):
+    # Issue 16: a failed build left build/, graphctl.egg-info and graphctl/_build.json in the source tree.
+    r = _setup_py(tmp_path, "build_ext", broken_source=True, GRAPHCTL_BUILD_CUDA="0")
+    assert r.returncode != 0
+    assert not (tmp_path / "build").exists(), os.listdir(tmp_path)
+    assert not (tmp_path / "graphctl" / "_build.json").exists()
