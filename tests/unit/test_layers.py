@@ -1,0 +1,120 @@
+"""The layers point one way (issue 17): every import in ``graphctl/`` (module level, inside
+functions, under ``TYPE_CHECKING``) is an edge; the graph has no cycle, and no layer imports one
+above it (``cli -> graphs -> state -> ops``, ``docs/architecture.md``)."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PKG = ROOT / "graphctl"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the graphctl modules it imports, anywhere in its body."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolve against this module's package
+                    pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    pkg = pkg[: len(pkg) - node.level + 1]
+                    base = ".".join(pkg + ([base] if base else []))
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    targets.append(sub if sub in mods else base)
+            for t in targets:
+                if t in mods and t != mod:
+                    graph[mod].add(t)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_anywhere_in_graphctl():
+    # Issue 17: graphs/{runner, backends, cuda, ...} and state/{bound, transaction} formed cycles through lazy
+    # and TYPE_CHECKING imports while docs/architecture.md said imports point down only.
+    cycles = _cycles(import_graph())
+    assert cycles == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_walker_sees_imports_inside_functions_and_type_checking(tmp_path):
+    # Issue 17: a cycle test that only read module-level imports would pass on the cycles it exists to catch.
+    graph = import_graph()
+    assert graph, "no modules found"
+    src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a.b\ndef f():\n    from a import c\n"
+    tree = ast.parse(src)
+    seen = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert len(seen) == 3  # ast.walk reaches the nested ones the graph is built from
+    assert _cycles({"x": {"y"}, "y": {"x"}, "z": set()}) == [["x", "y"]]
+
+
+_LAYERS = ["graphctl.cli", "graphctl.graphs", "graphctl.state", "graphctl.ops"]
+
+
+def test_layers_point_down_only():
+    # Issue 17: state must never import graphs, graphs never cli, ops nothing above it.
+    rank = {layer: i for i, layer in enumerate(_LAYERS)}
+
+    def layer(m: str) -> str | None:
+        return next((lay for lay in _LAYERS if m == lay or m.startswith(lay + ".")), None)
+
+    bad = [(m, t) for m, ts in import_graph().items() for t in ts
+           if layer(m) and layer(t) and rank[layer(t)] < rank[layer(m)]]
+    assert bad == [], bad
+
+
+def test_no_module_over_450_lines():
+    # Issue 17: runner.py and bound.py had grown past 450 lines.
+    long = {str(p.relative_to(ROOT)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
+    assert long == {}, long
