@@ -40,7 +40,7 @@ def _by_path(name: str):
 
 
 def _load_knobs():
-    return _by_path("debug").knobs
+    return _by_path("knobs").knobs
 
 
 def _plan():

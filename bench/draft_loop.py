@@ -32,7 +32,7 @@ import torch
 
 import graphctl
 from graphctl import StaticInput
-from graphctl.backends.paged import _cumsum, _positions, _slots, _token_map
+from graphctl.families.paged import _cumsum, _positions, _slots, _token_map
 from graphctl.models import EngineConfig, MTPEngine
 
 SIZES = (1, 8, 64, 256)

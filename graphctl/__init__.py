@@ -2,10 +2,11 @@
 capture and replay of speculative-decoding draft forwards.
 
 The public surface is exactly ``__all__``; everything else is internal."""
-from graphctl import debug, ops
+from graphctl import knobs, ops
 from graphctl.errors import (BindError, CaptureError, ConcurrentUseError, CorruptedStateError, DeclarationError, GraphctlError,
                              NestedSwitchError, ReplayError, StaleBufferError, SwitchError)
-from graphctl.graphs import CaptureTarget, GraphRunner, Report, StaticInput, graphed
+from graphctl.cli.target import CaptureTarget
+from graphctl.graphs import GraphRunner, Report, StaticInput, graphed
 from graphctl.state import BoundState, CopyInPlace, Pad, Recompute, Registry, Stable, StateSpec, Swap, bind, register
 
 __version__ = "0.1.0"
@@ -16,5 +17,5 @@ __all__ = [
     "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError", "ConcurrentUseError",
     "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
     "graphed", "GraphRunner", "StaticInput", "Report", "CaptureTarget",
-    "debug", "ops", "__version__",
+    "knobs", "ops", "__version__",
 ]

@@ -7,7 +7,7 @@ import torch
 
 import graphctl
 from graphctl import StaticInput
-from graphctl.graphs.audit import Audit
+from graphctl.graphs.analysis.audit import Audit
 from graphcases import Toy
 
 

@@ -18,6 +18,7 @@ import torch
 
 import graphctl
 from graphctl.errors import CaptureError, GraphctlError
+from graphctl.cli.target import load_target
 
 __all__ = ["run_capture", "derive_buckets", "coverage_rows", "SCHEMA"]
 
@@ -197,7 +198,7 @@ def run_capture(args) -> int:
     max_batch = args.max_batch or (max(args.buckets) if args.buckets else 64)
     buckets = args.buckets or derive_buckets(max_batch)
     try:
-        target = graphctl.graphs.load_target(args.target or BUILTIN, device=device, max_batch=max_batch,
+        target = load_target(args.target or BUILTIN, device=device, max_batch=max_batch,
                                              draft_len=args.draft_len)
     except GraphctlError as exc:
         con.print(f"[red]graphctl capture: {escape(str(exc))}")

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import graphctl
-from graphctl.debug import knobs
+from graphctl.knobs import knobs
 from graphctl.graphs.features import detect
 from graphctl.ops import extension_status
 

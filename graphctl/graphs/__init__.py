@@ -1,14 +1,16 @@
-"""Capture and replay: buckets, static inputs, the ``@graphed`` decorator, the CUDA and
-emulated backends. Built on ``graphctl.state``; ``state`` never imports this package."""
-from graphctl.graphs.audit import Audit, Finding, audit_graph
-from graphctl.graphs.nodes import Node, Ref, Region
-from graphctl.graphs.backends import BACKENDS, select_backend, unsupported_reasons
+"""Capture and replay: buckets, static inputs, the ``@graphed`` decorator and the runner (the
+core), the graph backends (``backends/``: CUDA graphs and the emulated recorder) and what
+reads a capture afterwards (``analysis/``: nodes, audit, verify, report). Built on
+``graphctl.state``; ``state`` never imports this package."""
+from graphctl.graphs.analysis.audit import Audit, Finding, audit_graph
+from graphctl.graphs.analysis.nodes import Node, Ref, Region
+from graphctl.graphs.analysis.report import SCHEMA, BucketReport, Report, Segment
+from graphctl.graphs.analysis.verify import Mismatch, VerifyResult
+from graphctl.graphs.backends import BACKENDS, GraphBackend, select_backend, unsupported_reasons
 from graphctl.graphs.decorator import graphed
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
-from graphctl.graphs.report import SCHEMA, BucketReport, Report, Segment
 from graphctl.graphs.runner import GraphRunner
-from graphctl.graphs.target import CaptureTarget, load_target
-from graphctl.graphs.verify import Mismatch, VerifyResult
 
-__all__ = ["CaptureTarget", "load_target", "Audit", "Finding", "audit_graph", "Node", "Ref", "Region", "BACKENDS", "DEFAULT_BUCKETS", "SCHEMA", "BucketReport", "Buckets", "GraphRunner", "Report", "Segment",
-           "StaticInput", "Mismatch", "VerifyResult", "graphed", "select_backend", "unsupported_reasons"]
+__all__ = ["Audit", "Finding", "audit_graph", "Node", "Ref", "Region", "BACKENDS", "DEFAULT_BUCKETS", "SCHEMA",
+           "BucketReport", "Buckets", "GraphBackend", "GraphRunner", "Report", "Segment", "StaticInput", "Mismatch",
+           "VerifyResult", "graphed", "select_backend", "unsupported_reasons"]

@@ -29,10 +29,9 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphctl import bindings
 from graphctl.errors import CaptureError
-from graphctl.graphs.cuda import graph_nodes
-from graphctl.graphs.features import cuda_bindings
-from graphctl.graphs.nodes import register_bodies
+from graphctl.graphs.backends.cuda_nodes import graph_nodes, register_bodies
 from graphctl.state.phase import is_recording
 
 __all__ = ["DeviceLoop"]
@@ -131,11 +130,10 @@ class DeviceLoop:
 
     @contextlib.contextmanager
     def _while_node(self) -> Iterator[int]:
-        cb = cuda_bindings()
-        if cb is None:
+        rt = bindings.runtime()
+        if rt is None:
             raise CaptureError("a device-side loop needs cuda-bindings", expected="cuda.bindings importable",
                                found="not installed", fix="pip install cuda-bindings, or use mode='unrolled'")
-        rt, _ = cb
         begin, end = _pool_routing()
         outer = torch.cuda.current_stream(self.device).cuda_stream
         info = _check(rt.cudaStreamGetCaptureInfo(outer), "cudaStreamGetCaptureInfo")

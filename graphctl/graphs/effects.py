@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import CaptureError, DeclarationError
-from graphctl.graphs.emulated import user_frame
+from graphctl.graphs.frames import user_frame
 
 __all__ = ["Ledger", "SideEffect", "WriteTracker", "reachable", "roots_of", "storage_bytes", "storage_key",
            "POLICIES"]

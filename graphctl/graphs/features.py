@@ -8,16 +8,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["detect", "cuda_bindings"]
+from graphctl import bindings
 
-
-def cuda_bindings() -> tuple[Any, Any] | None:
-    """``(runtime, driver)`` modules of cuda-bindings, or None when it is not installed."""
-    try:
-        from cuda.bindings import driver, runtime
-    except ImportError:
-        return None
-    return runtime, driver
+__all__ = ["detect"]
 
 
 @functools.cache
@@ -26,13 +19,9 @@ def detect() -> dict[str, Any]:
     f: dict[str, Any] = {}
     f["keep_graph"] = _keep_graph()
     f["torch_while_loop"] = _has_while_loop()
-    cb = cuda_bindings()
-    f["cuda_bindings"] = None
-    if cb is not None:
-        import cuda.bindings
-
-        rt, drv = cb
-        f["cuda_bindings"] = cuda.bindings.__version__
+    rt, drv = bindings.runtime(), bindings.driver()
+    f["cuda_bindings"] = bindings.version()
+    if rt is not None:
         names = set(vars(rt)) | set(vars(drv))
         f["conditional_nodes"] = "cudaGraphConditionalHandleCreate" in names
         f["capture_to_graph"] = "cudaStreamBeginCaptureToGraph" in names

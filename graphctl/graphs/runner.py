@@ -27,130 +27,38 @@ Constraints (each is checked, and a violation raises a typed error):
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import inspect
 import logging
-import time
 import types
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_leaves
 
-from graphctl.debug import knobs
 from graphctl.errors import CaptureError, DeclarationError, ReplayError
-from graphctl.graphs.backends import select_backend
-from graphctl.graphs.cuda import refuse_nested_capture
+from graphctl.graphs import measure as _measure
+from graphctl.graphs.analysis.audit import Audit, audit_graph, param_tensors
+from graphctl.graphs.analysis.nodes import Node, Region, census
+from graphctl.graphs.analysis.report import BucketReport, Report, Segment
+from graphctl.graphs.analysis.verify import VerifyResult, verify as _verify
+from graphctl.graphs.backends.cuda import refuse_nested_capture
+from graphctl.graphs.calls import Signature, frozen_change
+from graphctl.graphs.capture import Fixed, Passes, capture_buckets
+from graphctl.graphs.captured import Captured
 from graphctl.graphs.distributed import Agreement, agreed_switch
-from graphctl.graphs.effects import Ledger, SideEffect, reachable, roots_of, storage_key
-from graphctl.graphs.nodes import Region
-from graphctl.graphs.frozen import first_change, freeze
-from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, InputSlot, StaticInput
-from graphctl.graphs.report import Segment
-from graphctl.graphs.inspection import Inspection
+from graphctl.graphs.effects import Ledger, SideEffect
+from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
+from graphctl.knobs import knobs
 from graphctl.state import BoundState, bind
+from graphctl.state.snapshot import Snapshot
 
 __all__ = ["GraphRunner"]
 
 log = logging.getLogger("graphctl")
 
 
-class _Captured:
-    """One bucket's graph and everything its replay relies on."""
-
-    __slots__ = ("graph", "out_flat", "out_spec", "out_rows", "single", "manifest", "segments", "draft",
-                 "checked", "capture_ms", "replays", "replay_us", "eager_us", "_sliced")
-
-    def __init__(self, graph, out, bucket: int, manifest: dict[str, int], segments: tuple[Segment, ...],
-                 capture_ms: float, per_items: frozenset[int]) -> None:
-        self.graph = graph
-        self.out_flat, self.out_spec = tree_flatten(out)
-        self.single = isinstance(out, torch.Tensor)
-        # Rows per batch item of each output's first dim, or None: that output is not sliced. An
-        # output is batched when its first dim is bucket * r, r = 1 or the per_item of a static input (and,
-        # across buckets, with the same per_item: see GraphRunner._settle_slicing); never because
-        # the first dim merely divides by the bucket (a [256] per-vocab output at bucket 4).
-        self.out_rows = tuple(t.shape[0] // bucket if isinstance(t, torch.Tensor) and t.dim() and
-                              t.shape[0] % bucket == 0 and t.shape[0] // bucket in per_items else None
-                              for t in self.out_flat)
-        self.manifest = manifest
-        self.segments = segments
-        self.draft = any(s.name.startswith("draft") for s in segments)
-        self.checked = False
-        self.capture_ms = capture_ms
-        self.replays = 0
-        self.replay_us: float | None = None
-        self.eager_us: float | None = None
-        self._sliced: dict[int, Any] = {}
-
-    def outputs(self, n: int) -> Any:
-        """The static outputs sliced to ``n`` items (views, built once per ``n``)."""
-        out = self._sliced.get(n)
-        if out is None:
-            if self.single:
-                r = self.out_rows[0]
-                out = self.out_flat[0] if r is None else self.out_flat[0][: n * r]
-            else:
-                leaves = [t if r is None else t[: n * r] for t, r in zip(self.out_flat, self.out_rows)]
-                out = tree_unflatten(leaves, self.out_spec)
-            self._sliced[n] = out
-        return out
-
-
-class _Guard:
-    """Snapshot some of a state's buffers on entry and put them back on exit (the snapshot
-    storage is allocated once, at construction)."""
-
-    def __init__(self, state: BoundState | None, names: Callable[[BoundState], Sequence[str]],
-                 extra: Sequence[torch.Tensor] = ()) -> None:
-        self._live = ([state.tensor(n) for n in names(state)] if state is not None else []) + list(extra)
-        self._saved = [t.clone() for t in self._live]
-        self._declared = len(self._live) - len(extra)  # the state's buffers come first
-
-    def add(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Guard ``tensors`` too, from their contents now."""
-        self._live += list(tensors)
-        self._saved += [t.clone() for t in tensors]
-
-    def adopt(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Guard each ``(live, copy)`` with the copy given (already the contents to restore)."""
-        self._live += [live for live, _ in pairs]
-        self._saved += [copy for _, copy in pairs]
-
-    def __enter__(self) -> "_Guard":
-        for s, t in zip(self._saved, self._live):
-            s.copy_(t)
-        return self
-
-    def restore(self, added_only: bool = False) -> None:
-        """Put everything back, or (``added_only``) only what is not a buffer of the state:
-        side effects, without undoing a bucket's padding of the state."""
-        start = self._declared if added_only else 0
-        for s, t in zip(self._saved[start:], self._live[start:]):
-            t.copy_(s)
-
-    def __exit__(self, *exc) -> None:
-        with torch.no_grad():
-            self.restore()
-
-
-@contextlib.contextmanager
-def _gc_frozen() -> Iterator[None]:
-    # A collection during capture can run __del__ of tensors (frees inside the capture's pool)
-    # and costs seconds across many buckets; collect once, then hold it off.
-    gc.collect()
-    was = gc.isenabled()
-    try:  # disable inside the try: a Ctrl-C right after it must still re-enable collection
-        gc.disable()
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-class GraphRunner(Inspection):
+class GraphRunner:
     """Captured graphs of ``fn``, one per bucket. Build it with :func:`graphctl.graphed`.
 
     Arguments: ``buckets`` (batch sizes to capture), ``state`` (a :class:`BoundState`, an
@@ -197,28 +105,17 @@ class GraphRunner(Inspection):
         self.params = params  # model tensors for the audit's classification (see audit())
         self.group = group  # a torch.distributed group: ranks agree on bucket, fallback and refresh
         self._agreement: Agreement | None = None
-        self._sig = inspect.signature(fn)
-        self._params = list(self._sig.parameters)
-        self._pos = {p: i for i, p in enumerate(self._params)}
-        # With *args/**kwargs in the signature an argument's position is not fixed: bind fully.
-        self._simple = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in self._sig.parameters.values())
-        self._n_required = sum(1 for p in self._sig.parameters.values() if p.default is p.empty)
+        self._sig = Signature(fn)
         self._declared = None if inputs is None else tuple(StaticInput.of(i) for i in inputs)
-        self._inputs: tuple[StaticInput, ...] | None = self._declared
         for si in self._declared or ():
-            if si.name not in self._pos:
+            if si.name not in self._sig.position:
                 raise DeclarationError("static input is not a parameter of the forward", buffer=si.name,
-                                       expected=f"one of {self._params}", found=si.name, fix="fix the name in inputs=")
+                                       expected=f"one of {self._sig.names}", found=si.name,
+                                       fix="fix the name in inputs=")
         self._pad_axes = dict(pad_axes) if pad_axes is not None else None
-        self._graphs: dict[int, _Captured] = {}
-        self._slots: tuple[InputSlot, ...] = ()
-        self._in_pos: tuple[int, ...] = ()
-        self._frozen: dict[str, Any] = {}
+        self._fixed: Fixed | None = None  # None: nothing captured (see graphs/capture.py)
+        self._graphs: dict[int, Captured] = {}
         self._fallbacks: dict[str, int] = {}
-        self._backend: Any = None
-        self._refreshes = False
-        self._guard: _Guard | None = None
-        self._example: tuple[tuple, dict] | None = None
         self.workspaces: tuple[Region, ...] = ()
 
     @property
@@ -243,36 +140,17 @@ class GraphRunner(Inspection):
             runner = obj.__dict__[key] = GraphRunner(types.MethodType(self.fn, obj), **opts)
         return runner
 
-    # ------------------------------------------------------------------------ arguments
+    # ------------------------------------------------------------------------ the call
 
-    def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        try:
-            ba = self._sig.bind(*args, **kwargs)
-        except TypeError as exc:  # a missing, extra or unknown argument: say it as Python would
-            raise TypeError(f"{getattr(self.fn, '__qualname__', self.fn)}(): {exc}") from None
-        ba.apply_defaults()
-        return ba.arguments
-
-    def _arg(self, args: tuple, kwargs: dict, name: str) -> Any:
-        if not self._simple:
-            return self._arguments(args, kwargs).get(name)
-        i = self._pos[name]
-        if i < len(args):
-            return args[i]
-        if name in kwargs:
-            return kwargs[name]
-        return self._sig.parameters[name].default
-
-    def _batch(self, args: tuple, kwargs: dict) -> tuple[int, list[Any]]:
+    def _batch(self, inputs: tuple[StaticInput, ...], positions: tuple[int, ...] | None, args: tuple,
+               kwargs: dict) -> tuple[int, list[Any]]:
         # The usual call is positional with every required argument given; anything else binds
         # fully, so a missing or unknown argument raises TypeError naming it.
-        if not kwargs and self._simple and self._n_required <= len(args) <= len(self._params):
-            lives = [args[i] if i < len(args) else self._sig.parameters[self._params[i]].default
-                     for i in self._in_pos]
-        else:
-            arguments = self._arguments(args, kwargs)
-            lives = [arguments[si.name] for si in self._inputs]
-        first, live = self._inputs[0], lives[0]
+        lives = self._sig.positional(args, kwargs, positions) if positions is not None else None
+        if lives is None:
+            arguments = self._sig.bind(args, kwargs)
+            lives = [arguments[si.name] for si in inputs]
+        first, live = inputs[0], lives[0]
         if not isinstance(live, torch.Tensor) or live.dim() <= first.dim or live.shape[first.dim] % first.per_item:
             raise ReplayError("cannot read the batch size from the first static input", buffer=first.name,
                               expected=f"a tensor with a multiple of {first.per_item} rows along dim {first.dim}",
@@ -281,74 +159,22 @@ class GraphRunner(Inspection):
         return live.shape[first.dim] // first.per_item, lives
 
     def _call_args(self, arguments: dict[str, Any], bucket: int) -> tuple[tuple, dict]:
-        views = {slot.spec.name: slot.spec.view(slot.static, bucket) for slot in self._slots}
-        return self._assemble({**arguments, **views})
+        views = {slot.spec.name: slot.spec.view(slot.static, bucket) for slot in self._fixed.slots}
+        return self._sig.assemble({**arguments, **views})
 
-    def _assemble(self, values: dict[str, Any]) -> tuple[tuple, dict]:
-        args, kwargs = [], {}
-        for name, p in self._sig.parameters.items():
-            if name not in values:
-                continue
-            v = values[name]
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-                args.append(v)
-            elif p.kind is p.VAR_POSITIONAL:
-                args.extend(v)
-            elif p.kind is p.VAR_KEYWORD:
-                kwargs.update(v)
-            else:
-                kwargs[name] = v
-        return tuple(args), kwargs
-
-    # -------------------------------------------------------------------------- capture
-
-    def _setup(self, arguments: dict[str, Any]) -> int:
-        if self._state_attr is not None:
-            raise DeclarationError(f"state='{self._state_attr}' names an attribute of an instance",
-                                   expected="a decorated method called on an instance", found="a plain call",
-                                   fix="decorate a method (each instance gets its runner), or pass the state itself")
-        if self._inputs is None:
-            self._inputs = tuple(StaticInput(n) for n, v in arguments.items() if isinstance(v, torch.Tensor))
-        if not self._inputs:
-            raise DeclarationError("the forward has no static input", expected="at least one tensor argument",
-                                   found=list(arguments), fix="declare inputs=('input_ids', ...)")
-        self._slots = tuple(InputSlot(si, si.allocate(arguments[si.name], self.buckets.largest))
-                            for si in self._inputs)
-        self._in_pos = tuple(self._pos[si.name] for si in self._inputs)
-        first = self._inputs[0]
-        if self._pad_axes is None:
-            self._pad_axes = {"seq": 1, "token": first.per_item}
-        device = self._slots[0].device
-        self._backend = select_backend(self.backend_name, device)
-        self._guard = _Guard(self.state, BoundState.mutable_names)
-        # the replay-time refreshes of draft twins; a spec without any needs no switch around replay
-        self._refreshes = self.state is not None and bool(self.state.snapshot_names("refresh"))
-        static_names = {si.name for si in self._inputs}
-        # Non-input arguments are baked into the graph: keep each object and a structural copy of
-        # what it held (containers are compared by contents at every call: an in-place change
-        # to a dict or list passed here would otherwise replay capture-time values silently).
-        self._frozen = {n: (v, freeze(v)) for n, v in arguments.items() if n not in static_names}
-        n, lives = self._batch((), arguments)
-        for slot, live in zip(self._slots, lives):
-            err = slot.spec.check(live, slot.static, n)
-            if err is not None:
-                raise err
-        return n
-
-    def _load(self, lives: list[torch.Tensor], n: int, bucket: int) -> None:
-        for slot, live in zip(self._slots, lives):
+    def _load(self, lives: Sequence[torch.Tensor], n: int, bucket: int) -> None:
+        fx = self._fixed
+        for slot, live in zip(fx.slots, lives):
             slot.load(live, n, bucket)
         if self.state is not None and n != bucket:  # the graph reads [:bucket]: pad [n:bucket]
-            self.state.pad({a: n * m for a, m in self._pad_axes.items()},
-                           {a: bucket * m for a, m in self._pad_axes.items()})
-
-    def _head(self, arguments: dict[str, Any], m: int) -> dict[str, torch.Tensor]:
-        """The example's static inputs cut to their first ``m`` items, in input order."""
-        return {si.name: arguments[si.name].narrow(si.dim, 0, m * si.per_item) for si in self._inputs}
+            self.state.pad({a: n * m for a, m in fx.pad_axes.items()},
+                           {a: bucket * m for a, m in fx.pad_axes.items()})
 
     def _load_example(self, arguments: dict[str, Any], n: int, bucket: int) -> None:
         m = min(n, bucket)
-        self._load(list(self._head(arguments, m).values()), m, bucket)
+        self._load(list(self._fixed.head(arguments, m).values()), m, bucket)
+
+    # -------------------------------------------------------------------------- capture
 
     def capture_all(self, *args: Any, **kwargs: Any) -> "GraphRunner":
         """Warm every bucket up eagerly, then capture them largest first into one pool. With
@@ -363,141 +189,39 @@ class GraphRunner(Inspection):
         if self._graphs:
             raise CaptureError("graphs are already captured", expected="one capture_all per runner",
                                found=f"buckets {sorted(self._graphs)}", fix="call reset() first to capture again")
+        if self._state_attr is not None:
+            raise DeclarationError(f"state='{self._state_attr}' names an attribute of an instance",
+                                   expected="a decorated method called on an instance", found="a plain call",
+                                   fix="decorate a method (each instance gets its runner), or pass the state itself")
         try:
-            self._capture_all(args, kwargs)
+            arguments = self._sig.bind(args, kwargs)
+            self._fixed = Fixed.make(self._sig, arguments, args, kwargs, declared=self._declared,
+                                     pad_axes=self._pad_axes, largest=self.buckets.largest, backend=self.backend_name,
+                                     state=self.state, batch=lambda inputs, a: self._batch(inputs, None, (), a))
+            passes = Passes(self.fn, self._fixed, self.state, self._ledger, self.buckets, self.warmup_iters,
+                            self.params, self._load_example, self._call_args, self._manifest, self.progress)
+            self._graphs, self.workspaces = capture_buckets(passes, arguments)
         except BaseException:
             self.reset()  # never keep some buckets of a failed capture_all: a call would find holes
             raise
         return self
 
-    def _capture_all(self, args: tuple, kwargs: dict) -> None:
-        arguments = self._arguments(args, kwargs)
-        n = self._setup(arguments)
-        self._example = (args, kwargs)
-        be = self._backend
-        order = sorted(self.buckets.sizes, reverse=True)
-        # Loading a bucket's example pads the state for it: each bucket starts from the caller's
-        # state (a smaller bucket's padding would otherwise turn live rows of a larger one into
-        # padding), and the caller gets it back as it was.
-        with _Guard(self.state, BoundState.restorable_names) as given, _gc_frozen(), self._progress() as bar:
-            task = bar.add_task("warmup", total=2 * len(order)) if bar else None
-            be.synchronize()
-            before = be.live_blocks()
-            for i, b in enumerate(order):  # pass 1: every workspace reaches its high-water mark before any capture
-                given.restore()
-                self._load_example(arguments, n, b)
-                call = self._call_args(arguments, b)
-                for it in range(self.warmup_iters):
-                    try:
-                        with self._guard:
-                            if it == 0:  # a bucket's first run finds its side effects (and undoes them)
-                                given.adopt(self._tracked_warmup(arguments, call))
-                            else:
-                                be.warmup(lambda: self.fn(*call[0], **call[1]))
-                    except BaseException as exc:
-                        exc.add_note(f"graphctl: raised while warming up bucket {b}; the caller's state was restored")
-                        raise
-                    if self._ledger.tensors:  # the next run starts from the caller's state too
-                        given.restore(added_only=True)
-                if bar:
-                    bar.update(task, advance=1, description=f"warmup bucket {b}")
-            be.synchronize()
-            # what warmup allocated and kept is library state (cuBLAS workspaces): the audit's "workspace"
-            self.workspaces = tuple(Region(f"warmup allocation of {n} B", "workspace", a, a + n)
-                                    for a, n in sorted(be.live_blocks() - before))
-            pool = be.new_pool()
-            t_start = time.perf_counter()
-            for b in order:  # pass 2: largest first, so smaller graphs reuse its pool blocks
-                given.restore()
-                self._load_example(arguments, n, b)
-                self._capture_one(b, arguments, pool)
-                if bar:
-                    pool_mib = sum(c.graph.pool_bytes for c in self._graphs.values()) / 2**20
-                    bar.update(task, advance=1, description=f"captured bucket {b} "
-                               f"({time.perf_counter() - t_start:.1f}s, pool {pool_mib:.1f} MiB)")
-            self._settle_slicing()
-
-    def _tracked_warmup(self, arguments: dict[str, Any], call: tuple[tuple, dict]) -> list:
-        """An eager run under the write tracker: what it writes to tensors the forward reaches
-        but graphctl does not own is a side effect. Returns the new ``(live, copy)`` pairs."""
-        owned = {storage_key(slot.static) for slot in self._slots}
-        if self.state is not None:
-            owned |= {storage_key(self.state.tensor(n)) for n in self.state.plan.buffers}
-            owned |= {storage_key(t) for t in self.state.arenas().values()}
-        be = self._backend
-        pairs = self._ledger.track(lambda: be.warmup(lambda: self.fn(*call[0], **call[1])),
-                                   reachable(roots_of(self.fn, arguments, self.params)), owned, be.synchronize)
-        if pairs:
-            log.info("graphctl: %s writes state it does not own (restored around every warmup, capture, measure "
-                     "and verify run, %d B of snapshots): %s", getattr(self.fn, "__qualname__", self.fn),
-                     self._ledger.nbytes, "; ".join(map(str, self.side_effects)))
-        return pairs
-
-    def guard_all(self) -> _Guard:
+    def guard_all(self) -> Snapshot:
         """A snapshot of everything a run of the forward may change that the caller owns: every
         declared buffer but Stable scratch, and the side effects being restored."""
-        return _Guard(self.state, BoundState.restorable_names, self._ledger.tensors)
-
-    def _capture_one(self, bucket: int, arguments: dict[str, Any], pool: Any) -> None:
-        call = self._call_args(arguments, bucket)
-        marks: list[tuple[str, int]] = []
-
-        def body(mark: Callable[[], int]) -> Any:
-            def observe(role: str, phase: str, event: str) -> None:
-                if phase == "capture":
-                    marks.append((event, mark()))
-            if self.state is None:
-                return self.fn(*call[0], **call[1])
-            with self.state.observe(observe):
-                return self.fn(*call[0], **call[1])
-
-        t0 = time.perf_counter()
-        with self._guard:
-            graph, out = self._backend.capture(body, pool, bucket)
-        ms = (time.perf_counter() - t0) * 1e3
-        self._graphs[bucket] = _Captured(graph, out, bucket, self._manifest(),
-                                         _segments(marks, graph.node_count), ms,
-                                         frozenset({1} | {si.per_item for si in self._inputs}))
-
-    def _settle_slicing(self) -> None:
-        """An output is sliced only where every bucket agrees it is batched, at one per_item: a
-        first dim that equals bucket * per_item in one bucket only is a coincidence."""
-        caps = list(self._graphs.values())
-        for i in range(len(caps[0].out_rows)):
-            rows = {c.out_rows[i] if i < len(c.out_rows) else None for c in caps}
-            if len(rows) > 1 or (len(caps) > 1 and None in rows):
-                for c in caps:
-                    if i < len(c.out_rows):
-                        c.out_rows = c.out_rows[:i] + (None,) + c.out_rows[i + 1:]
+        return Snapshot.of(self.state, BoundState.restorable_names, self._ledger.tensors)
 
     def _manifest(self) -> dict[str, int]:
-        man = self._input_addresses()
+        man = self._fixed.input_addresses()
         if self.state is not None:
             man.update(self.state.addresses())
         return man
 
-    def _input_addresses(self) -> dict[str, int]:
-        # every bucket's view starts at its static buffer's first byte
-        return {f"input:{slot.spec.name}": slot.static.data_ptr() for slot in self._slots}
-
-    def _progress(self):
-        show = self.progress
-        if show is None:
-            import sys
-            show = sys.stderr.isatty()
-        if not show:
-            return contextlib.nullcontext(None)
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-        return Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(), transient=True)
-
     def reset(self) -> None:
         """Drop every graph (and the static inputs); the next call captures again."""
-        self._graphs.clear()
+        self._graphs = {}
         self._ledger.clear()
-        self._slots, self._in_pos = (), ()
-        self._inputs = self._declared
-        self._example = None
+        self._fixed = None
         self.workspaces = ()
 
     # --------------------------------------------------------------------------- replay
@@ -505,7 +229,8 @@ class GraphRunner(Inspection):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._graphs:
             self.capture_all(*args, **kwargs)
-        n, lives = self._batch(args, kwargs)
+        fx = self._fixed
+        n, lives = self._batch(fx.inputs, fx.positions, args, kwargs)
         err, agreed = self._check_call(n, lives, args, kwargs), n
         if self.group is not None:  # every rank replays one bucket, or every rank runs eagerly
             agreed, all_ok = self._agreement.agree(n, err is None)
@@ -534,15 +259,15 @@ class GraphRunner(Inspection):
         if self.buckets.pick(n) is None:
             return ReplayError("batch size outside the captured buckets", expected=f"1 <= n <= {self.buckets.largest}",
                                found=f"n = {n}", fix="add a larger bucket, split the batch, or pass fallback='eager'")
-        for slot, live in zip(self._slots, lives):
+        for slot, live in zip(self._fixed.slots, lives):
             if not slot.fits(live, n):
                 return slot.spec.check(live, slot.static, n)
-        if self._frozen:
-            return self._check_frozen(args, kwargs)
+        if self._fixed.frozen:
+            return frozen_change(self._fixed.frozen, self._sig, args, kwargs)
         return None
 
-    def _replay(self, cap: _Captured) -> None:
-        if cap.draft and self._refreshes:
+    def _replay(self, cap: Captured) -> None:
+        if cap.draft and self._fixed.refreshes:
             if self.group is not None:  # a refresh that fails on one rank restores on all, before any replay
                 with agreed_switch(self.state, "draft", self._agreement, phase="refresh"):
                     cap.graph.replay()
@@ -562,24 +287,8 @@ class GraphRunner(Inspection):
         log.warning("graphctl: %s runs eagerly: %s", getattr(self.fn, "__qualname__", self.fn), err)
         return self.fn(*args, **kwargs)
 
-    def _check_frozen(self, args: tuple, kwargs: dict) -> ReplayError | None:
-        for name, (want, frozen) in self._frozen.items():
-            live = self._arg(args, kwargs, name)
-            if live is want and frozen[0] in ("scalar", "object"):  # nothing inside it can have changed
-                continue
-            where = first_change(freeze(live), frozen, name)
-            if where is None:
-                continue
-            what = ("a frozen argument was changed in place since the capture" if live is want
-                    else "a frozen argument differs from the capture")
-            return ReplayError(what, buffer=where[0],
-                               expected=f"{where[1]} (baked into the graph)", found=where[2],
-                               fix="pass the captured object unchanged, declare the argument in inputs=, or reset() "
-                                   "and capture again")
-        return None
-
-    def _check_manifest(self, cap: _Captured) -> None:
-        live = self._input_addresses()
+    def _check_manifest(self, cap: Captured) -> None:
+        live = self._fixed.input_addresses()
         if self.state is not None:
             live.update(self.state.live_addresses())
         for name, want in cap.manifest.items():
@@ -591,18 +300,139 @@ class GraphRunner(Inspection):
                                       "it, or reset() and capture again")
         cap.checked = True
 
-def _segments(marks: list[tuple[str, int]], total: int) -> tuple[Segment, ...]:
-    """Turn switch enter/exit marks into named segments: target, draft (or draft[i]), post."""
-    segs, cursor, drafts = [], 0, sum(1 for e, _ in marks if e == "enter")
-    i = 0
-    for event, at in marks:
-        if event == "enter":
-            if at > cursor or not segs:
-                segs.append(Segment("target" if i == 0 else "post", cursor, at))
-            cursor = at
-        else:
-            segs.append(Segment("draft" if drafts == 1 else f"draft[{i}]", cursor, at))
-            cursor, i = at, i + 1
-    if total > cursor or not segs:
-        segs.append(Segment("target" if not marks else "post", cursor, max(total, cursor)))
-    return tuple(segs)
+    # ------------------------------------------------------- what a capture says about itself
+
+    def _captured_or_raise(self, what: str) -> Fixed:
+        if self._fixed is None:
+            raise CaptureError("nothing captured yet", expected="capture_all() or a call first", found="no graphs",
+                               fix=f"call capture_all(*example) before {what}")
+        return self._fixed
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    @property
+    def inputs(self) -> tuple[StaticInput, ...]:
+        """The static inputs (declared, or every tensor argument of the example call)."""
+        return self._captured_or_raise("inputs").inputs
+
+    @property
+    def device(self) -> torch.device:
+        return self._captured_or_raise("device").backend.device
+
+    @property
+    def example_items(self) -> int:
+        return self._captured_or_raise("example_items").n
+
+    @property
+    def fallbacks(self) -> dict[str, int]:
+        """Eager fallbacks so far, by reason (a copy)."""
+        return dict(self._fallbacks)
+
+    def example_arguments(self) -> dict[str, Any]:
+        """The example call of ``capture_all``, bound by parameter name."""
+        args, kwargs = self._captured_or_raise("using the example").example
+        return self._sig.bind(args, kwargs)
+
+    def assemble(self, values: dict[str, Any]) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` calling the forward with ``values`` (parameter name -> value)."""
+        return self._sig.assemble(values)
+
+    def record(self, bucket: int) -> Captured:
+        """``bucket``'s capture: graph, outputs, manifest, segments, counters."""
+        return self._graphs[bucket]
+
+    def graph(self, bucket: int) -> Any:
+        """The backend graph of ``bucket`` (``.replay()``, ``.node_count``, ``.pool_bytes``, ``.nodes()``)."""
+        return self._graphs[bucket].graph
+
+    def outputs(self, bucket: int) -> list[torch.Tensor]:
+        """The static output tensors of ``bucket``'s graph (tests poison them before replay)."""
+        return [t for t in self._graphs[bucket].out_flat if isinstance(t, torch.Tensor)]
+
+    def segments(self, bucket: int) -> tuple[Segment, ...]:
+        return self._graphs[bucket].segments
+
+    def static_input(self, name: str) -> torch.Tensor:
+        """The static buffer behind input ``name`` (tests poison its padding with it)."""
+        return next(slot.static for slot in self._captured_or_raise("static_input").slots if slot.spec.name == name)
+
+    def measure(self, iters: int = 20) -> "GraphRunner":
+        """Median time of the whole graphed call and of the eager forward, per bucket, each at
+        its own size; see :func:`graphctl.graphs.measure.measure`."""
+        self._captured_or_raise("measure()")
+        _measure.measure(self, iters)
+        return self
+
+    def coverage(self, sizes: Any = None) -> dict[int, str]:
+        """For each batch size ``n`` (default 1 .. the largest bucket, capped at the example's
+        items), what served a call on the example's first ``n`` items: ``"bucket B"``,
+        ``"eager: <reason>"`` (a fallback) or ``"error: <message>"``."""
+        self._captured_or_raise("coverage()")
+        return _measure.coverage(self, sizes)
+
+    def verify(self, **options: Any) -> tuple[VerifyResult, ...]:
+        """Eager against replay per bucket, on fresh random inputs with outputs and padding
+        poisoned first; see :func:`graphctl.graphs.analysis.verify.verify` (``gen``, ``rtol``, ``atol``)."""
+        self._captured_or_raise("verify()")
+        return _verify(self, **options)
+
+    def audit(self, params: Any = None) -> dict[int, Audit]:
+        """Per bucket, the pointer and segment audits (``graphs/analysis/audit.py``). ``params``: the
+        model tensors the forward reads (an ``nn.Module``, a name -> tensor mapping or an
+        iterable); default the runner's ``params=``, or the module a decorated method is bound to."""
+        if params is None:
+            params = self.params
+        if params is None and inspect.ismethod(self.fn) and isinstance(self.fn.__self__, torch.nn.Module):
+            params = self.fn.__self__
+        model = param_tensors(params)
+        return {b: audit_graph(self.graph(b), b, known=self.known_tensors(b), segments=self.segments(b),
+                               workspaces=self.workspaces, plan=self.state.plan if self.state is not None else None,
+                               params=model) for b in self.captured}
+
+    def known_tensors(self, bucket: int) -> list[tuple[str, str, torch.Tensor]]:
+        """``(kind, name, tensor)`` of the memory the runner itself knows for ``bucket``: the
+        state's buffers and twins, its snapshot arenas, static inputs and outputs, frozen
+        tensor arguments (the audit's named regions)."""
+        out: list[tuple[str, str, torch.Tensor]] = []
+        if self.state is not None:
+            out += [("buffer", n, self.state.tensor(n)) for n in self.state.addresses()]
+            out += [("arena", f"arena {n}", t) for n, t in self.state.arenas().items()]
+        fx = self._captured_or_raise("known_tensors")
+        out += [("input", f"input:{slot.spec.name}", slot.static) for slot in fx.slots]
+        out += [("output", f"output[{i}]", t) for i, t in enumerate(self.outputs(bucket))]
+        for name, (v, _) in fx.frozen.items():
+            out += [("argument", f"argument:{name}", t) for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
+        return out
+
+    def nodes(self, bucket: int) -> list[Node]:
+        """Every node of ``bucket``'s graph in capture order (CUDA: kernels with names, launch
+        shapes and argument addresses; emulated: recorded ops)."""
+        return self.graph(bucket).nodes()
+
+    def census(self, bucket: int) -> dict[str, dict[str, int]]:
+        """Node counts by type and by kernel (or op) name."""
+        return census(self.nodes(bucket))
+
+    def dot(self, bucket: int, path: str) -> None:
+        """Write ``bucket``'s graph as Graphviz DOT (CUDA only: ``cudaGraphDebugDotPrint``)."""
+        name = self._fixed.backend.name if self._fixed is not None else None
+        if name != "cuda":
+            raise ReplayError("DOT export needs a CUDA graph", expected="backend 'cuda'",
+                              found=name or "nothing captured",
+                              fix="capture on a GPU (backend='cuda'); emulated graphs have nodes() instead")
+        self.graph(bucket).dot(path)
+
+    def report(self) -> Report:
+        """Per bucket: capture ms, pool bytes, nodes, segments, replay/eager µs (see ``report`` module)."""
+        be = self._fixed.backend if self._fixed is not None else None
+        rows = tuple(BucketReport(b, c.capture_ms, c.graph.pool_bytes, c.graph.node_count, c.replay_us, c.eager_us,
+                                  c.replays, c.segments) for b, c in sorted(self._graphs.items()))
+        device = str(be.device) if be is not None else "-"
+        if be is not None and be.device.type == "cuda":
+            device = f"{device} ({torch.cuda.get_device_name(be.device)})"
+        effects = tuple(dict(path=e.path, op=e.op, where=e.where, nbytes=e.nbytes, policy=self.side_effect_policy)
+                        for e in self.side_effects)
+        return Report(getattr(self.fn, "__qualname__", repr(self.fn)), be.name if be is not None else "-", device,
+                      torch.__version__, rows, dict(self._fallbacks), effects)

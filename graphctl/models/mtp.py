@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from graphctl.backends.paged import KVCacheManager, PagedMetadata, paged_spec
+from graphctl.families.paged import KVCacheManager, PagedMetadata, paged_spec
 from graphctl.state import BoundState, Registry, StateSpec, bind
 
 __all__ = ["EngineConfig", "MTPEngine", "StepOutput"]
@@ -245,7 +245,8 @@ def capture_target(*, device: str = "cpu", max_batch: int = 64, draft_len: int =
     """The built-in target of ``graphctl capture``: one decode step of the reference engine
     (target forward, acceptance, k draft steps in the draft role) for up to ``max_batch``
     requests of ``draft_len + 1`` tokens, metadata prepared for ``max_batch`` requests."""
-    from graphctl.graphs import CaptureTarget, StaticInput
+    from graphctl.cli.target import CaptureTarget
+    from graphctl.graphs import StaticInput
 
     eng = MTPEngine(EngineConfig(draft_len=draft_len, max_seqs=max_batch, seed=seed), device=device)
     g = torch.Generator().manual_seed(seed)

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from graphctl.debug import knobs
+from graphctl.knobs import knobs
 from graphctl.ops import reference
 from graphctl.ops._load import STATUS, ExtensionStatus
 

@@ -10,7 +10,7 @@ import warnings
 from importlib import resources
 from typing import Any
 
-from graphctl.debug import knobs
+from graphctl.knobs import knobs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -23,12 +23,13 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from graphctl import ops
+from graphctl.knobs import knobs
 from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitchError, SwitchError
 from graphctl.state import paths, writes
 from graphctl.state.arena import Group, allocate_arenas, make_groups
 from graphctl.state.interrupts import deferred
-from graphctl.state.validate import bind_aliases, check_source, validate
-from graphctl.state.phase import resolve_phase
+from graphctl.state.validate import bind_aliases, check_bindings, check_source, expected_bindings, validate
+from graphctl.state.phase import capturing, resolve_phase
 from graphctl.state.plan import PHASES, Plan, compile_spec
 from graphctl.state.registry import Registry, default_registry
 from graphctl.state.spec import CopyInPlace
@@ -279,57 +280,10 @@ class BoundState:
             self._in_user = prev
 
     def _expected(self, phase: str | None) -> tuple[tuple[str, Any], ...]:
-        exp = self._expect.get(phase)
-        if exp is None:
-            resolve = self.plan.phases[phase].resolve if phase is not None else {}
-            exp = self._expect[phase] = tuple(
-                (n, self._tensors[resolve.get(n, n)] if n in self._tensors else self._objects[resolve.get(n, n)])
-                for n, _ in self._manifest)
-        return exp
+        return expected_bindings(self, phase)
 
     def _check_bindings(self, entering: str | None = None) -> None:
-        # Fast path, run on every switch and write: every attribute is exactly what it should
-        # be now (the bind-time object, or its twin inside a switch).
-        # On entry (``entering`` set) the switch owns the state but has not swapped anything yet.
-        obj, sw = self.obj, self._active
-        phase = sw.phase if sw is not None and entering is None else None
-        for name, want in self._expected(phase):
-            if paths.get(obj, name, None) is not want:
-                break
-        else:
-            return
-        # Slow path: name the offender. Entering a phase that swaps X accepts X already bound to
-        # its twin (a hand-written hook swapped it): the restore target stays the bind-time
-        # original, so a repeated swap can never record the twin as "the original". A tensor is
-        # accepted only as the very view that was bound: same address, shape, strides, dtype
-        # (an expand or a transpose at the same address reads other elements).
-        twins = self.plan.phases[entering].resolve if entering is not None else {}
-        for name, want in self._expected(phase):
-            try:
-                cur = paths.get(obj, name)
-            except (AttributeError, IndexError, KeyError, TypeError):
-                raise SwitchError("declared attribute was deleted", buffer=name, expected="the bound attribute",
-                                  found="no attribute", fix=f"do not del {type(obj).__qualname__}.{name}; set it "
-                                  "back to the bound tensor, or bind() the object again") from None
-            if name in twins and cur is (self._tensors.get(twins[name]) if name in self._tensors
-                                         else self._objects.get(twins[name])):
-                continue
-            if cur is want:
-                continue
-            if isinstance(want, torch.Tensor):
-                if (isinstance(cur, torch.Tensor) and cur.data_ptr() == want.data_ptr() and cur.shape == want.shape
-                        and cur.stride() == want.stride() and cur.dtype == want.dtype and cur.device == want.device):
-                    continue
-                found = (f"{tuple(cur.shape)} strides {cur.stride()} at {cur.data_ptr():#x}"
-                         if isinstance(cur, torch.Tensor) else type(cur).__name__)
-                raise SwitchError("attribute was rebound behind graphctl's back", buffer=name,
-                                  expected=f"{tuple(want.shape)} strides {want.stride()} at {want.data_ptr():#x} "
-                                           "(bound)", found=found,
-                                  fix="static buffers must keep their address and layout: write in place with "
-                                      "state.write(), or call graphctl.bind() again after reallocating")
-            raise SwitchError("attribute was rebound behind graphctl's back", buffer=name,
-                              expected="the object bound at bind()", found="another object",
-                              fix="rebind through the spec (Swap) or call graphctl.bind() again")
+        check_bindings(self, entering)
 
     def _hook(self, stage: str, step: str, when: str) -> None:
         if self._fault_hook is not None:
@@ -344,7 +298,45 @@ class BoundState:
         if role not in ROLES:
             raise SwitchError("unknown role", expected=" / ".join(ROLES), found=role,
                               fix="the target role is the bound state itself; switch('draft', ...) enters the draft")
-        return Switch(self, role, self._phase(resolve_phase(phase, self.device)))
+        phase = self._phase(resolve_phase(phase, self.device))
+        return Switch(self, role, phase, self.plan.phases[phase].resolve)
+
+    def _enter(self, sw: Switch) -> list[list[int]] | None:
+        """The policy on entry (the switch owns the state, nothing applied yet): the phase
+        matches the capture status, every attribute is bound as expected, observers hear of it,
+        and (knobs) derived buffers are checked and fingerprints taken for :meth:`_leave`."""
+        live = capturing(self.device)
+        if (self.device.type == "cuda" or live) and live != (sw.phase == "capture"):
+            # (a CPU state outside the recorder may rehearse any phase)
+            raise SwitchError("phase does not match the capture status", expected="capture" if live
+                              else "eager or replay", found=sw.phase,
+                              fix="use phase='auto', or 'capture' exactly when a capture is running")
+        self._check_bindings(entering=sw.phase)
+        for observe in self._observers:
+            observe(sw.role, sw.phase, "enter")
+        if sw.phase != "capture":
+            if knobs.check_stale:
+                self.check()
+            if knobs.verify_restore:
+                return self._fingerprints(sw.phase)
+        return None
+
+    def _leave(self, sw: Switch, failed: bool) -> list[tuple[str, BaseException]]:
+        """The policy on exit, after every step was undone: observers hear of it (one raising
+        is a failure, not a skipped restore) and, when :meth:`_enter` fingerprinted, every
+        snapshotted buffer must be back to those fingerprints."""
+        failures: list[tuple[str, BaseException]] = []
+        for observe in self._observers:
+            try:
+                observe(sw.role, sw.phase, "exit")
+            except BaseException as err:
+                failures.append((f"observer {getattr(observe, '__qualname__', observe)}", err))
+        if not failed and not failures and sw.before is not None:
+            after = self._fingerprints(sw.phase)
+            for g, b, a in zip(self._groups[sw.phase], sw.before, after):
+                failures += [(f"verify({n})", RuntimeError("fingerprint changed"))
+                             for n, x, y in zip(g.names, b, a) if x != y]
+        return failures
 
     @contextlib.contextmanager
     def observe(self, callback: Callable[[str, str, str], None]) -> Iterator[None]:

@@ -12,6 +12,8 @@ from typing import Any, Iterator
 
 import torch
 
+from graphctl import bindings
+
 
 __all__ = ["recording", "is_recording", "capturing", "resolve_phase", "capture_invalidated"]
 
@@ -68,9 +70,8 @@ def capture_invalidated(device: torch.device) -> bool:
     switch needs no undo; launching that undo would only fail and poison the state."""
     if device.type != "cuda" or is_recording():
         return False
-    try:
-        from cuda.bindings import runtime as rt
-    except ImportError:  # without cuda-bindings an invalidated capture is not told apart
+    rt = bindings.runtime()
+    if rt is None:  # without cuda-bindings an invalidated capture is not told apart
         return False
     err, status = rt.cudaStreamIsCapturing(torch.cuda.current_stream(device).cuda_stream)
     return int(err) == 0 and int(status) == int(rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusInvalidated)

@@ -320,7 +320,7 @@ class StateSpec:
                readers: Iterable[str] = DEFAULT_READERS, mutable: bool = False, host: bool = False,
                aliases: Iterable[str] = (), draft: DraftAction = None, refresh: CopyInPlace | None = None,
                derive: Recompute | None = None, override: bool = False) -> BufferDecl:
-        """Declare a tensor attribute. See docs/backends.md for every field."""
+        """Declare a tensor attribute. See docs/families.md for every field."""
         readers_set = frozenset([readers] if isinstance(readers, str) else readers)
         decl = BufferDecl(name=name, shape=tuple(shape) if shape is not None else None, dtype=dtype, axis=axis,
                           axis_dim=axis_dim, pad=pad, readers=readers_set, mutable=bool(mutable), host=bool(host),

@@ -1,7 +1,9 @@
 """The switch transaction: reversible steps, applied in order and undone in reverse.
 
-``BoundState`` (``graphctl.state.bound``) builds the steps of each phase once; ``Switch`` runs
-them. A step counts as applied only after its ``apply`` returned, so an undo never "restores"
+Generic: a ``Switch`` runs the steps its :class:`Owner` hands it and knows nothing else of it.
+The owner (``BoundState``, ``graphctl.state.bound``) builds the steps of each phase once and
+keeps the policy: who may switch (poisoned, nested, re-entrant, concurrent use), the checks on
+entry (capture status, bindings, stale buffers), observers, fingerprints, poisoning. A step counts as applied only after its ``apply`` returned, so an undo never "restores"
 from an arena that was never filled. Any ``BaseException`` while applying undoes the applied
 steps and re-raises the original exception; every undo and restore step runs even if an
 earlier one failed, and any failure poisons the state (``CorruptedStateError``).
@@ -11,18 +13,15 @@ from __future__ import annotations
 import dis
 import inspect
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Mapping, Protocol
 
+import torch
 
-from graphctl.debug import knobs
 from graphctl.errors import SwitchError
 from graphctl.state.interrupts import deferred
-from graphctl.state.phase import capture_invalidated, capturing
+from graphctl.state.phase import capture_invalidated
 
-if TYPE_CHECKING:
-    from graphctl.state.bound import BoundState
-
-__all__ = ["FaultHook", "Step", "Switch"]
+__all__ = ["FaultHook", "Owner", "Step", "Switch"]
 
 _SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 _WITH_OPS = frozenset(dis.opmap[n] for n in ("BEFORE_WITH", "SETUP_WITH") if n in dis.opmap)
@@ -39,6 +38,7 @@ def _with_frame(caller: Any) -> Any:
     return caller if caller.f_code.co_code[caller.f_lasti] in _WITH_OPS else None
 
 FaultHook = Callable[[str, str, str], None]  # (stage, step, "before"|"after"), for fault-injection tests
+Failures = list[tuple[str, BaseException]]  # (what could not be undone, why)
 
 
 class Step:
@@ -60,8 +60,24 @@ class Step:
         self.idempotent, self.prepare = idempotent, prepare
 
 
+class Owner(Protocol):
+    """What a switch needs of the state it switches; ``BoundState`` implements it."""
+
+    device: torch.device
+    _active: "Switch | None"  # the switch that owns the state now, if any
+
+    def _claim(self, sw: "Switch") -> None: ...  # own the state for ``sw``, or raise (nothing changed)
+    def _release(self, sw: "Switch") -> None: ...
+    def _enter(self, sw: "Switch") -> Any: ...  # entry checks and observers; what _leave verifies against
+    def _leave(self, sw: "Switch", failed: bool) -> Failures: ...  # exit observers and verification
+    def _steps(self, phase: str) -> tuple["Step", ...]: ...
+    def _hook(self, stage: str, step: str, when: str) -> None: ...  # fault injection (tests)
+    def _poison(self, failures: Failures) -> BaseException: ...  # later uses raise it
+
+
 class Switch:
-    """The context manager returned by :meth:`BoundState.switch`; one use.
+    """The context manager returned by :meth:`BoundState.switch`; one use. ``resolve`` maps a
+    swapped name to its twin inside the switch (what a write inside it lands on).
 
     Entering and exiting each run as one :class:`~graphctl.state.interrupts.deferred`
     section: a ``KeyboardInterrupt`` that arrives while steps are applied or undone is held
@@ -71,23 +87,12 @@ class Switch:
 
     __slots__ = ("state", "role", "phase", "resolve", "applied", "before", "used", "frame")
 
-    def __init__(self, state: BoundState, role: str, phase: str) -> None:
-        self.state, self.role, self.phase = state, role, phase
-        self.resolve = state.plan.phases[phase].resolve
+    def __init__(self, state: Owner, role: str, phase: str, resolve: Mapping[str, str]) -> None:
+        self.state, self.role, self.phase, self.resolve = state, role, phase, resolve
         self.applied: list[Step] = []
-        self.before: list[list[int]] | None = None
+        self.before: Any = None
         self.used = False
         self.frame: Any = None  # the plain-function frame whose with-statement entered it
-
-    def _check_capture(self) -> None:
-        st = self.state
-        live = capturing(st.device)
-        if st.device.type != "cuda" and not live:
-            return  # a CPU state outside the recorder may rehearse any phase
-        if live != (self.phase == "capture"):
-            raise SwitchError("phase does not match the capture status", expected="capture" if live
-                              else "eager or replay", found=self.phase,
-                              fix="use phase='auto', or 'capture' exactly when a capture is running")
 
     def __enter__(self) -> "Switch":
         st = self.state
@@ -105,15 +110,7 @@ class Switch:
                 self.used = True
                 self.frame = _with_frame(sys._getframe(1))
                 try:
-                    self._check_capture()
-                    st._check_bindings(entering=self.phase)
-                    for observe in st._observers:
-                        observe(self.role, self.phase, "enter")
-                    if self.phase != "capture":
-                        if knobs.check_stale:
-                            st.check()
-                        if knobs.verify_restore:
-                            self.before = st._fingerprints(self.phase)
+                    self.before = st._enter(self)
                     for step in st._steps(self.phase):
                         st._hook("apply", step.name, "before")
                         if step.idempotent:
@@ -143,7 +140,7 @@ class Switch:
                 self._unwind()  # idempotent: nothing left to undo when the inner handler ran
             raise
 
-    def _unwind(self) -> list[tuple[str, BaseException]]:
+    def _unwind(self) -> Failures:
         """Undo an entry that will not complete; poison on a failed undo."""
         st = self.state
         failures = self._undo("undo")
@@ -152,7 +149,7 @@ class Switch:
             st._poison(failures)
         return failures
 
-    def _undo(self, stage: str) -> list[tuple[str, BaseException]]:
+    def _undo(self, stage: str) -> Failures:
         st, failures = self.state, []
         # A dead capture never runs what it recorded, so recorded device work has nothing to undo.
         dead = self.phase == "capture" and any(s.recorded for s in self.applied) and capture_invalidated(st.device)
@@ -201,16 +198,7 @@ class Switch:
         with deferred():
             failures = self._undo("restore")
             st._release(self)
-            for observe in st._observers:
-                try:
-                    observe(self.role, self.phase, "exit")
-                except BaseException as err:
-                    failures.append((f"observer {getattr(observe, '__qualname__', observe)}", err))
-            if not failures and self.before is not None:
-                after = st._fingerprints(self.phase)
-                for g, b, a in zip(st._groups[self.phase], self.before, after):
-                    failures += [(f"verify({n})", RuntimeError("fingerprint changed"))
-                                 for n, x, y in zip(g.names, b, a) if x != y]
+            failures += st._leave(self, bool(failures))
             if failures:
                 err = st._poison(failures)
                 raise err from (ev if ev is not None else failures[0][1])

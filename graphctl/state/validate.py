@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from graphctl.errors import BindError
+from graphctl.errors import BindError, SwitchError
 from graphctl.state import paths
 from graphctl.state.spec import BufferDecl, CopyInPlace
 
@@ -193,3 +193,61 @@ def bind_aliases(st) -> dict[str, tuple[tuple[str, torch.Tensor, torch.Tensor | 
                           f"'{attr}' declared in aliases=", "an undeclared view",
                           f"add aliases=('{attr}',) so the swap re-points it with the base")
     return out
+
+
+def expected_bindings(st: Any, phase: str | None) -> tuple[tuple[str, Any], ...]:
+    """What every declared attribute of ``st.obj`` must be in ``phase`` (None: outside a switch):
+    the bind-time object, or its twin where the phase swaps it. Built once per phase."""
+    exp = st._expect.get(phase)
+    if exp is None:
+        resolve = st.plan.phases[phase].resolve if phase is not None else {}
+        exp = st._expect[phase] = tuple(
+            (n, st._tensors[resolve.get(n, n)] if n in st._tensors else st._objects[resolve.get(n, n)])
+            for n, _ in st._manifest)
+    return exp
+
+def check_bindings(st: Any, entering: str | None = None) -> None:
+    """Raise ``SwitchError`` naming the first declared attribute rebound, deleted or re-viewed
+    behind graphctl's back (run on every switch entry and write)."""
+    # Fast path, run on every switch and write: every attribute is exactly what it should
+    # be now (the bind-time object, or its twin inside a switch).
+    # On entry (``entering`` set) the switch owns the state but has not swapped anything yet.
+    obj, sw = st.obj, st._active
+    phase = sw.phase if sw is not None and entering is None else None
+    for name, want in st._expected(phase):
+        if paths.get(obj, name, None) is not want:
+            break
+    else:
+        return
+    # Slow path: name the offender. Entering a phase that swaps X accepts X already bound to
+    # its twin (a hand-written hook swapped it): the restore target stays the bind-time
+    # original, so a repeated swap can never record the twin as "the original". A tensor is
+    # accepted only as the very view that was bound: same address, shape, strides, dtype
+    # (an expand or a transpose at the same address reads other elements).
+    twins = st.plan.phases[entering].resolve if entering is not None else {}
+    for name, want in st._expected(phase):
+        try:
+            cur = paths.get(obj, name)
+        except (AttributeError, IndexError, KeyError, TypeError):
+            raise SwitchError("declared attribute was deleted", buffer=name, expected="the bound attribute",
+                              found="no attribute", fix=f"do not del {type(obj).__qualname__}.{name}; set it "
+                              "back to the bound tensor, or bind() the object again") from None
+        if name in twins and cur is (st._tensors.get(twins[name]) if name in st._tensors
+                                     else st._objects.get(twins[name])):
+            continue
+        if cur is want:
+            continue
+        if isinstance(want, torch.Tensor):
+            if (isinstance(cur, torch.Tensor) and cur.data_ptr() == want.data_ptr() and cur.shape == want.shape
+                    and cur.stride() == want.stride() and cur.dtype == want.dtype and cur.device == want.device):
+                continue
+            found = (f"{tuple(cur.shape)} strides {cur.stride()} at {cur.data_ptr():#x}"
+                     if isinstance(cur, torch.Tensor) else type(cur).__name__)
+            raise SwitchError("attribute was rebound behind graphctl's back", buffer=name,
+                              expected=f"{tuple(want.shape)} strides {want.stride()} at {want.data_ptr():#x} "
+                                       "(bound)", found=found,
+                              fix="static buffers must keep their address and layout: write in place with "
+                                  "state.write(), or call graphctl.bind() again after reallocating")
+        raise SwitchError("attribute was rebound behind graphctl's back", buffer=name,
+                          expected="the object bound at bind()", found="another object",
+                          fix="rebind through the spec (Swap) or call graphctl.bind() again")

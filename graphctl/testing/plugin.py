@@ -3,7 +3,7 @@ Hypothesis profiles in every pytest run, and loads the one ``GRAPHCTL_HYPOTHESIS
 names when it is set (unset: the run's own Hypothesis settings stay)."""
 from __future__ import annotations
 
-from graphctl.debug import knobs
+from graphctl.knobs import knobs
 from graphctl.testing.profiles import load, register
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 
-from graphctl.debug import knobs
+from graphctl.knobs import knobs
 
 __all__ = ["PROFILES", "register", "load"]
 

@@ -76,7 +76,7 @@ def test_target_kernel_touching_a_refreshed_buffer_cuda(gen):
 
 def test_stale_derived_buffer_named_cuda(gen):
     # Regression: TensorRT-LLM #16925, req_idx_per_token built for k+1 tokens/request reused at 1 in the draft loop.
-    from graphctl.backends.paged import _token_map, paged_spec
+    from graphctl.families.paged import _token_map, paged_spec
     from graphctl.models import EngineConfig, MTPEngine
     from graphctl import Recompute, StateSpec
 
@@ -87,7 +87,7 @@ def test_stale_derived_buffer_named_cuda(gen):
                                      if "meta" in holder else out.zero_()))  # bind computes it before holder is set
     eng = MTPEngine(EngineConfig(draft_len=3, max_seqs=8), spec=spec, device="cuda")
     holder["meta"] = eng.meta
-    with graphctl.debug.scope(check_stale=True), pytest.raises(StaleBufferError, match="req_idx_per_token"):
+    with graphctl.knobs.scope(check_stale=True), pytest.raises(StaleBufferError, match="req_idx_per_token"):
         eng.generate(eng.prompts(8, torch.Generator().manual_seed(1)), 3)
 
 

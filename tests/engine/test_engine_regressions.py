@@ -7,7 +7,7 @@ import torch
 
 import graphctl
 from graphctl import CopyInPlace, DeclarationError, Recompute, StaleBufferError, StaticInput, StateSpec
-from graphctl.backends.paged import _token_map, paged_spec
+from graphctl.families.paged import _token_map, paged_spec
 from graphctl.models import EngineConfig, MTPEngine
 from enginecases import STEPS, acceptance
 
@@ -32,7 +32,7 @@ def test_stale_token_map_is_caught_and_costs_acceptance_as_batch_grows(gen):
     # Regression: TensorRT-LLM #16925, req_idx_per_token built for k+1 tokens/request reused at 1 in the draft loop.
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
     eng = _stale_engine(3, 8, seed)
-    with graphctl.debug.scope(check_stale=True), pytest.raises(StaleBufferError, match="req_idx_per_token"):
+    with graphctl.knobs.scope(check_stale=True), pytest.raises(StaleBufferError, match="req_idx_per_token"):
         eng.generate(eng.prompts(8, torch.Generator().manual_seed(seed)), STEPS)
     by_bs = {}
     for bs in (1, 8):

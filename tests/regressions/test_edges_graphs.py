@@ -111,7 +111,7 @@ def test_ctrl_c_in_the_middle_of_an_emulated_replay_never_leaves_it_half_done(ge
         r.capture_all(x, meta)
         return st, lambda: r(x, meta)
 
-    report = interrupt_sweep(setup, files=(os.path.join("graphctl", "graphs", "emulated.py"),))
+    report = interrupt_sweep(setup, files=(os.path.join("graphctl", "graphs", "backends", "emulated.py"),))
     assert report.points > 5 and report.silent == () and report.stuck == () and report.swallowed == (), str(report)
 
 
@@ -240,7 +240,7 @@ def test_verify_checks_an_n_strictly_inside_every_bucket_that_has_one(gen):
 
 def test_audit_accepts_a_list_of_modules_and_refuses_junk(gen):
     # Issue 14 (also wrong): audit(params=[module_a, module_b]) was silently ignored.
-    from graphctl.graphs.audit import param_tensors
+    from graphctl.graphs.analysis.audit import param_tensors
 
     a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
     named = param_tensors([a, b])
@@ -288,12 +288,12 @@ def test_ctrl_c_on_any_line_of_the_gc_hold_leaves_collection_enabled():
     import gc
     import sys
 
-    from graphctl.graphs import runner as runner_mod
+    from graphctl.graphs import captured as runner_mod
 
     import inspect
 
-    code = runner_mod._gc_frozen.__wrapped__.__code__
-    src, first = inspect.getsourcelines(runner_mod._gc_frozen.__wrapped__)
+    code = runner_mod.gc_held.__wrapped__.__code__
+    src, first = inspect.getsourcelines(runner_mod.gc_held.__wrapped__)
     last = first + next(i for i, line in enumerate(src) if line.strip() == "yield")
     # every line up to the yield; the finally block's own first line is a window only a line tracer opens
     # (CPython delivers signals when the generator resumes, inside the try, and at calls)
@@ -312,7 +312,7 @@ def test_ctrl_c_on_any_line_of_the_gc_hold_leaves_collection_enabled():
         hit.clear()
         sys.settrace(tracer)
         try:
-            with runner_mod._gc_frozen():
+            with runner_mod.gc_held():
                 pass
         except KeyboardInterrupt:
             pass

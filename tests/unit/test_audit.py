@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import graphctl
-from graphctl.graphs.audit import AddressMap
-from graphctl.graphs.nodes import Region, short_name
+from graphctl.graphs.analysis.audit import AddressMap
+from graphctl.graphs.analysis.nodes import Region, short_name
 from auditcases import dangling_temporary, engine_audits, target_reads_refreshed
 
 
@@ -94,7 +94,7 @@ def test_address_map_prefers_the_most_specific_region():
 def test_library_kernels_are_recognised_by_name():
     # Regression: cuBLASLt's split-K reduction takes the cuBLAS workspace as a plain argument (H100):
     # live memory in it is the library's workspace, not an unregistered tensor.
-    from graphctl.graphs.nodes import is_library_kernel
+    from graphctl.graphs.analysis.nodes import is_library_kernel
 
     assert is_library_kernel("cublasLt::splitKreduce_kernel") and is_library_kernel("nvjet_sm90_tst_128x64")
     assert not is_library_kernel("at::native::vectorized_elementwise_kernel")

@@ -169,7 +169,7 @@ def test_address_change_after_first_replay_needs_the_debug_knob(toy):
     tokens, positions = toy.batch(3)
     toy.forward(tokens, positions, toy.meta)
     toy.meta.seq_lens = toy.meta.seq_lens.clone()
-    with graphctl.debug.scope(check_manifest=True):
+    with graphctl.knobs.scope(check_manifest=True):
         with pytest.raises(ReplayError, match="seq_lens"):
             toy.forward(tokens, positions, toy.meta)
 
@@ -365,7 +365,7 @@ def test_verify_poisons_outputs_before_the_replay(gen):
 
 def test_every_bucket_is_captured_into_one_shared_pool(gen, monkeypatch):
     # Issue 14 (tests that could not fail): nothing failed when the shared pool became one pool per bucket.
-    from graphctl.graphs.emulated import EmulatedBackend
+    from graphctl.graphs.backends.emulated import EmulatedBackend
 
     pools, seen = [], []
     real_capture = EmulatedBackend.capture

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from graphctl import debug, ops
+from graphctl import knobs as knobs_mod, ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def _py(code: str, **env) -> subprocess.CompletedProcess:
 
 def test_knob_table_in_docs_is_current():
     doc = (ROOT / "docs" / "knobs.md").read_text()
-    assert debug.markdown_table() in doc, "docs/knobs.md is stale: paste `python -m graphctl.debug` into it"
+    assert knobs_mod.markdown_table() in doc, "docs/knobs.md is stale: paste `python -m graphctl.knobs` into it"
 
 
 def test_invalid_knob_value_fails_naming_the_variable():
@@ -30,12 +30,12 @@ def test_invalid_knob_value_fails_naming_the_variable():
 
 
 def test_scope_overrides_and_restores():
-    assert debug.knobs.check_stale is False
-    with debug.scope(check_stale=True):
-        assert debug.knobs.check_stale is True
-    assert debug.knobs.check_stale is False
+    assert knobs_mod.knobs.check_stale is False
+    with knobs_mod.scope(check_stale=True):
+        assert knobs_mod.knobs.check_stale is True
+    assert knobs_mod.knobs.check_stale is False
     with pytest.raises(AttributeError):
-        with debug.scope(no_such_knob=1):
+        with knobs_mod.scope(no_such_knob=1):
             pass
 
 

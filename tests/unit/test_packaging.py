@@ -113,7 +113,7 @@ def _setup_py(tmp_path, *args, broken_source=False, **env):
     root = os.path.join(os.path.dirname(__file__), "..", "..")
     shutil.copy(os.path.join(root, "setup.py"), tmp_path)
     (tmp_path / "graphctl").mkdir()
-    for name in ("debug.py", "toolkit.py"):
+    for name in ("knobs.py", "toolkit.py"):
         shutil.copy(os.path.join(root, "graphctl", name), tmp_path / "graphctl")
     (tmp_path / "csrc").mkdir()
     if broken_source:

@@ -165,13 +165,13 @@ def test_stale_check_names_buffer_and_index(meta, state):
     with pytest.raises(graphctl.StaleBufferError) as ei:
         state.check()
     assert ei.value.buffer == "req_idx_per_token" and isinstance(ei.value.index, int)
-    with graphctl.debug.scope(check_stale=True):
+    with graphctl.knobs.scope(check_stale=True):
         with pytest.raises(graphctl.StaleBufferError):
             state.switch("draft", "eager").__enter__()
 
 
 def test_verify_restore_detects_tampering(meta, state):
-    with graphctl.debug.scope(verify_restore=True):
+    with graphctl.knobs.scope(verify_restore=True):
         with pytest.raises(CorruptedStateError, match="verify"):
             with state.switch("draft", "eager"):
                 state._arena["eager", "kv_lens"].add_(1)  # corrupt the snapshot itself

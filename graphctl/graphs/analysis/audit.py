@@ -1,10 +1,10 @@
 """Audits of a captured graph: where every address in it points, and which declared buffers each
 segment touches, checked against the declarations. Both backends describe their graphs as
-:class:`~graphctl.graphs.nodes.Node` lists, so the audit is one piece of code: kernel arguments
+:class:`~graphctl.graphs.analysis.nodes.Node` lists, so the audit is one piece of code: kernel arguments
 and copy addresses on CUDA, recorded ops' tensors (by storage identity) on the emulated backend.
 
 **Pointer audit.** Every address is classified against the memory the runner knows
-(:class:`~graphctl.graphs.nodes.Region`): a declared buffer or twin (with its offset),
+(:class:`~graphctl.graphs.analysis.nodes.Region`): a declared buffer or twin (with its offset),
 graphctl's snapshot arenas, the runner's static inputs and outputs, frozen tensor arguments,
 parameters the caller registered (``params=``), the graph's private pool; failing those, the
 caching allocator's blocks outside the pool.
@@ -38,17 +38,14 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from graphctl.graphs.nodes import Node, Region, census, flatten
+from graphctl.graphs.analysis.nodes import Node, Region, census, flatten
 from graphctl.state.spec import DEFAULT_READERS
 
-if TYPE_CHECKING:
-    from graphctl.graphs.runner import GraphRunner
-
-__all__ = ["Finding", "Audit", "AddressMap", "audit_graph", "allocator_regions", "param_tensors"]
+__all__ = ["Finding", "Audit", "AddressMap", "audit_graph", "param_tensors"]
 
 # Lookup order: the most specific name wins where regions overlap (an output lives in the pool).
 # A freed block outranks a warmup allocation (the allocator's word on liveness is the latest).
@@ -120,31 +117,6 @@ class AddressMap:
         return None
 
 
-def allocator_regions(device: torch.device, pool: Any) -> list[Region]:
-    """The caching allocator's segments on ``device``: every private pool's segments as ``pool``
-    regions (``pool``'s own, or another graph's, such as a device loop body's pool), every block
-    of the default pool as ``live`` or ``freed``."""
-    regions = []
-    pool_id = tuple(pool) if pool is not None else None
-    for seg in torch.cuda.memory_snapshot():
-        if seg["device"] != device.index:
-            continue
-        start = int(seg["address"])
-        sid = tuple(seg.get("segment_pool_id") or (0, 0))
-        if sid != (0, 0):
-            name = "graph pool" if sid == pool_id else f"private pool {sid}"
-            regions.append(Region(name, "pool", start, start + int(seg["total_size"])))
-            continue
-        at = start
-        for blk in seg["blocks"]:
-            addr = int(blk.get("address", at))
-            size = int(blk["size"])
-            kind = "live" if blk["state"].startswith("active") else "freed"
-            regions.append(Region(f"{kind} block of {size} B", kind, addr, addr + size))
-            at = addr + size
-    return regions
-
-
 def param_tensors(params: Any) -> dict[str, torch.Tensor]:
     """Model tensors by name from an ``nn.Module`` (parameters and buffers), a mapping of name to
     tensor or module, or an iterable of tensors and modules (nested iterables too). Anything
@@ -192,26 +164,28 @@ def _merge(old: str | None, new: str) -> str:
     return "touch" if "touch" in (old, new) else "read+write"
 
 
-def audit_graph(runner: "GraphRunner", bucket: int, params: Any = None) -> Audit:
-    """The pointer and segment audits of ``bucket``'s graph (see the module docstring)."""
-    graph = runner.graph(bucket)
+def audit_graph(graph: Any, bucket: int, *, known: Sequence[tuple[str, str, torch.Tensor]], segments: Sequence[Any],
+                workspaces: Sequence[Region] = (), plan: Any = None, params: Any = None) -> Audit:
+    """The pointer and segment audits of ``bucket``'s graph (see the module docstring), from
+    explicit records: ``graph`` (its ``nodes()`` and ``memory_regions()``), ``known`` (the
+    ``(kind, name, tensor)`` memory the runner owns: buffers, arenas, inputs, outputs, frozen
+    arguments), its ``segments`` (``Segment``: name, start, end node), ``workspaces`` (what the
+    warmups allocated and kept), the state's compiled ``plan`` (or None) and ``params``."""
     nodes: Sequence[Node] = graph.nodes()
-    named = [r for kind, name, t in runner.known_tensors(bucket) if (r := _span(kind, name, t)) is not None]
+    named = [r for kind, name, t in known if (r := _span(kind, name, t)) is not None]
     named += [r for n, t in param_tensors(params).items() if (r := _span("param", n, t)) is not None]
-    amap = AddressMap(named + list(runner.workspaces) + list(graph.memory_regions()))
+    amap = AddressMap(named + list(workspaces) + list(graph.memory_regions()))
     findings: list[Finding] = []
     classes: dict[str, int] = {}
     seg_of = {}
-    for seg in runner.segments(bucket):
+    for seg in segments:
         for i in range(seg.start, min(seg.end, len(nodes))):
             seg_of[i] = seg.name
-    state = runner.state
     refreshed: set[str] = set()
-    if state is not None:
-        plan = state.plan
+    if plan is not None:
         refreshed = {n for n, d in plan.buffers.items() if d.refresh is not None}
         refreshed |= set(plan.closure(refreshed))
-    usage: dict[str, dict[str, str]] = {s.name: {} for s in runner.segments(bucket)}
+    usage: dict[str, dict[str, str]] = {s.name: {} for s in segments}
     reported: set[tuple] = set()
     for node, at in flatten(nodes):
         top = int(at.split("/")[0])
@@ -248,8 +222,8 @@ def audit_graph(runner: "GraphRunner", bucket: int, params: Any = None) -> Audit
                     findings.append(Finding("error", "refreshed-in-target", region.name, seg, node.name,
                                             f"target-role {node.kind} touches a buffer refreshed in place before "
                                             "replay", top, where))
-    if state is not None:
-        for n, d in state.plan.buffers.items():
+    if plan is not None:
+        for n, d in plan.buffers.items():
             if d.stable or d.host or d.readers == DEFAULT_READERS:
                 continue  # nothing declared to check: scratch, host mirrors, or "any segment may read"
             for r in sorted({_role(x) for x in d.readers}):

@@ -1,6 +1,6 @@
 """The TensorRT-LLM-style base family (``shared/reference/trtllm.md`` §2.1), on the paged one.
 
-Adds to :mod:`graphctl.backends.paged`:
+Adds to :mod:`graphctl.families.paged`:
 
 - ``kv_cache_block_offsets`` ``[P, S, 2, B]`` (per pool, sequence, K/V, block: the pool index
   of each block), swapped to ``draft_kv_cache_block_offsets``, which ``prepare()`` fills from the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from graphctl.backends.paged import KVCacheManager, PagedMetadata, paged_spec
+from graphctl.families.paged import KVCacheManager, PagedMetadata, paged_spec
 from graphctl.state import Pad, StateSpec, Swap
 
 __all__ = ["TrtllmKVCacheManager", "TrtllmMetadata", "trtllm_spec"]

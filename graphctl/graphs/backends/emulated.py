@@ -22,8 +22,6 @@ graphctl's own ops are recorded as single ops.
 from __future__ import annotations
 
 import gc
-import os
-import traceback
 import types
 from typing import Any, Callable
 
@@ -32,32 +30,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import CaptureError
-from graphctl.graphs.nodes import Node, Ref, Region
+from graphctl.graphs.analysis.nodes import Node, Ref, Region
+from graphctl.graphs.frames import GRAPHCTL_DIR, user_frame
 from graphctl.state.interrupts import deferred
 from graphctl.state.phase import recording
 
 __all__ = ["EmulatedBackend", "EmulatedGraph"]
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_GRAPHCTL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# graphctl's machinery; its reference engine (graphctl/models) is model code like a user's
-_INTERNAL_DIRS = tuple(os.path.join(_GRAPHCTL_DIR, d) + os.sep for d in ("graphs", "state", "ops", "cli", "testing"))
 _HOST_READS = {"aten::_local_scalar_dense": "reads a device value on the host (.item(), .tolist(), bool(t), int(t))",
                "aten::equal": "returns a Python bool computed from device values (torch.equal)",
                "aten::is_nonzero": "reads a device value on the host (bool(t))"}
 # Ops returning host values computed from metadata alone (shapes, layouts), which a graph keeps.
 _METADATA_ONLY = {"aten::is_same_size", "aten::is_set_to", "aten::is_coalesced", "aten::dense_dim",
                   "aten::sparse_dim", "aten::_nnz", "aten::_debug_has_internal_overlap"}
-
-
-def user_frame() -> str:
-    """The innermost stack frame outside torch and graphctl: the line that issued the op."""
-    for frame in reversed(traceback.extract_stack()):
-        f = os.path.abspath(frame.filename)
-        if not f.startswith(_TORCH_DIR) and not f.startswith(_INTERNAL_DIRS) and "<frozen" not in f:
-            rel = os.path.relpath(f)
-            return f"{f if rel.startswith('..') else rel}:{frame.lineno}"
-    return "<unknown>"
 
 
 def _illegal(func: torch._ops.OpOverload, args: tuple, out: Any) -> str | None:
@@ -155,7 +140,7 @@ class EmulatedGraph:
         return [op.func._schema.name for op in self._ops]
 
     def nodes(self) -> list[Node]:
-        """One :class:`~graphctl.graphs.nodes.Node` per recorded op: its tensor arguments as
+        """One :class:`~graphctl.graphs.analysis.nodes.Node` per recorded op: its tensor arguments as
         references, ``write`` where the schema marks the argument written (in-place, ``out=``),
         ``read`` otherwise. View ops reference nothing (their consumers do)."""
         nodes = []
@@ -215,7 +200,7 @@ def _held_outside(by_storage: dict[int, dict[int, torch.Tensor]], containers: se
     mine = containers | {id(objs), id(by_storage)} | {id(g) for g in by_storage.values()}
     held: set[int] = set()
     for r in gc.get_referrers(*objs):
-        if id(r) in mine or (isinstance(r, types.FrameType) and r.f_code.co_filename.startswith(_GRAPHCTL_DIR)):
+        if id(r) in mine or (isinstance(r, types.FrameType) and r.f_code.co_filename.startswith(GRAPHCTL_DIR)):
             continue
         held.update(id(x) for x in gc.get_referents(r) if id(x) in ids)
     return held

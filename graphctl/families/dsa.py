@@ -19,8 +19,8 @@ import functools
 
 import torch
 
-from graphctl.backends.paged import _cumsum, _page_and_offset
-from graphctl.backends.trtllm import TrtllmKVCacheManager, TrtllmMetadata, trtllm_spec
+from graphctl.families.paged import _cumsum, _page_and_offset
+from graphctl.families.trtllm import TrtllmKVCacheManager, TrtllmMetadata, trtllm_spec
 from graphctl.state import CopyInPlace, Pad, Recompute, Stable, StateSpec, Swap
 
 __all__ = ["DSAKVCacheManager", "DSAMetadata", "dsa_spec", "INDEXER_HEAD_DIM"]

@@ -1,5 +1,5 @@
 """Declarations for attention-metadata families, each a spec and a reference metadata class,
-declared as data in :data:`BACKENDS`.
+declared as data in :data:`FAMILIES`.
 
 What they model, and what they leave out. Each family declares the graph-static buffers of
 TensorRT-LLM's draft switch that carry the bug classes graphctl exists for (the tables of
@@ -29,20 +29,20 @@ from typing import Any, Callable
 
 import torch
 
-from graphctl.backends.deepseek_v4 import DeepseekV4Metadata, DSv4KVCacheManager, deepseek_v4_spec
-from graphctl.backends.deepseek_v4 import not_supported_reasons as _dsv4_reasons
-from graphctl.backends.dsa import DSAKVCacheManager, DSAMetadata, dsa_spec
-from graphctl.backends.paged import PAGED_SPEC, KVCacheManager, PagedMetadata, paged_spec
-from graphctl.backends.trtllm import TrtllmKVCacheManager, TrtllmMetadata, trtllm_spec
+from graphctl.families.deepseek_v4 import DeepseekV4Metadata, DSv4KVCacheManager, deepseek_v4_spec
+from graphctl.families.deepseek_v4 import not_supported_reasons as _dsv4_reasons
+from graphctl.families.dsa import DSAKVCacheManager, DSAMetadata, dsa_spec
+from graphctl.families.paged import PAGED_SPEC, KVCacheManager, PagedMetadata, paged_spec
+from graphctl.families.trtllm import TrtllmKVCacheManager, TrtllmMetadata, trtllm_spec
 from graphctl.state import BoundState, Registry, StateSpec, bind
 
-__all__ = ["BACKENDS", "BackendDecl", "KVCacheManager", "PAGED_SPEC", "PagedMetadata", "TrtllmMetadata",
+__all__ = ["FAMILIES", "FamilyDecl", "KVCacheManager", "PAGED_SPEC", "PagedMetadata", "TrtllmMetadata",
            "DSAMetadata", "DeepseekV4Metadata", "paged_spec", "trtllm_spec", "dsa_spec", "deepseek_v4_spec",
-           "make_backend", "not_supported_reasons"]
+           "make_family", "not_supported_reasons"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class BackendDecl:
+class FamilyDecl:
     name: str
     spec: Callable[..., StateSpec]  # spec(block_size=...)
     metadata: type
@@ -55,31 +55,31 @@ def _none(**config: Any) -> list[str]:
     return []
 
 
-BACKENDS: dict[str, BackendDecl] = {b.name: b for b in (
-    BackendDecl("paged", paged_spec, PagedMetadata, KVCacheManager, _none, "paged KV: block tables and lengths"),
-    BackendDecl("trtllm", trtllm_spec, TrtllmMetadata, TrtllmKVCacheManager, _none,
+FAMILIES: dict[str, FamilyDecl] = {b.name: b for b in (
+    FamilyDecl("paged", paged_spec, PagedMetadata, KVCacheManager, _none, "paged KV: block tables and lengths"),
+    FamilyDecl("trtllm", trtllm_spec, TrtllmMetadata, TrtllmKVCacheManager, _none,
                 "TensorRT-LLM base: per-pool block offsets and the manager swap"),
-    BackendDecl("dsa", dsa_spec, DSAMetadata, DSAKVCacheManager, _none,
+    FamilyDecl("dsa", dsa_spec, DSAMetadata, DSAKVCacheManager, _none,
                 "DSA: indexer offsets, fp8 slot mappings, expanded tables, top-k scratch"),
-    BackendDecl("deepseek_v4", deepseek_v4_spec, DeepseekV4Metadata, DSv4KVCacheManager, _dsv4_reasons,
+    FamilyDecl("deepseek_v4", deepseek_v4_spec, DeepseekV4Metadata, DSv4KVCacheManager, _dsv4_reasons,
                 "DeepSeek-V4: sliding tables and device pointer tables"),
 )}
 
 
 def not_supported_reasons(name: str, **config: Any) -> list[str]:
-    """Why backend ``name`` cannot run ``config`` (empty when it can)."""
-    return BACKENDS[name].reasons(**config)
+    """Why family ``name`` cannot run ``config`` (empty when it can)."""
+    return FAMILIES[name].reasons(**config)
 
 
-def make_backend(name: str, *, seqs: int, blocks: int, draft_len: int, block_size: int = 8, head_dim: int = 16,
+def make_family(name: str, *, seqs: int, blocks: int, draft_len: int, block_size: int = 8, head_dim: int = 16,
                  layers: int = 1, device="cpu", seed: int = 0, **config: Any) -> tuple[Any, BoundState]:
     """A metadata object of family ``name`` with its target and draft managers, bound to its
     spec in a registry of its own. Raises ``ValueError`` with the reasons for an unsupported
     configuration."""
-    b = BACKENDS[name]
+    b = FAMILIES[name]
     reasons = b.reasons(**config)
     if reasons:
-        raise ValueError(f"backend {name} does not support this configuration: {'; '.join(reasons)}")
+        raise ValueError(f"family {name} does not support this configuration: {'; '.join(reasons)}")
     mk = lambda tag, s: b.manager(tag, layers=layers, seqs=seqs, blocks=blocks, block_size=block_size,  # noqa: E731
                                   head_dim=head_dim, dtype=torch.float32, device=device, seed=s)
     meta = b.metadata(seqs=seqs, blocks=blocks, draft_len=draft_len, kv_cache_manager=mk("target", seed + 1),

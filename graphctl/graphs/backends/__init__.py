@@ -6,16 +6,50 @@ that cannot run raises :class:`~graphctl.errors.CaptureError` with every reason.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
-from graphctl.debug import knobs
 from graphctl.errors import CaptureError
-from graphctl.graphs.cuda import CudaBackend
-from graphctl.graphs.emulated import EmulatedBackend
+from graphctl.graphs.analysis.nodes import Node, Region
+from graphctl.graphs.backends.cuda import CudaBackend
+from graphctl.graphs.backends.emulated import EmulatedBackend
+from graphctl.knobs import knobs
 
-__all__ = ["BackendDecl", "BACKENDS", "select_backend", "unsupported_reasons"]
+__all__ = ["BackendDecl", "BACKENDS", "CapturedGraph", "GraphBackend", "select_backend", "unsupported_reasons"]
+
+
+class CapturedGraph(Protocol):
+    """One captured bucket, as a backend hands it back."""
+
+    node_count: int
+    pool_bytes: int
+
+    def replay(self) -> None: ...
+    def nodes(self) -> list[Node]: ...  # capture order, bodies nested (graphs/analysis/nodes.py)
+    def memory_regions(self) -> list[Region]: ...  # pools and allocator blocks, for the audit
+
+
+class GraphBackend(Protocol):
+    """What the runner needs of a graph backend (``cuda`` and ``emulated`` implement it).
+
+    ``warmup(body)`` runs ``body()`` eagerly as the capture will see it (CUDA: on the capture
+    stream); ``capture(body, pool, bucket)`` records ``body(mark)`` into a graph sharing ``pool``
+    (``mark()`` returns the number of nodes recorded so far: segment boundaries) and returns the
+    graph and ``body``'s output, or raises ``CaptureError`` having left nothing behind;
+    ``live_blocks()`` is the set of live allocator blocks ``(address, size)`` (workspaces that a
+    warmup allocated and kept show up as the difference); ``new_pool()`` a memory pool for
+    ``capture``; ``synchronize()`` waits for the device."""
+
+    name: str
+    device: torch.device
+
+    def warmup(self, body: Callable[[], Any]) -> Any: ...
+    def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any,
+                bucket: int) -> tuple[CapturedGraph, Any]: ...
+    def live_blocks(self) -> set[tuple[int, int]]: ...
+    def new_pool(self) -> Any: ...
+    def synchronize(self) -> None: ...
 
 
 def _cuda_reasons(device: torch.device) -> list[str]:
@@ -29,7 +63,7 @@ def _cuda_reasons(device: torch.device) -> list[str]:
 @dataclasses.dataclass(frozen=True, slots=True)
 class BackendDecl:
     name: str
-    make: Callable[[torch.device], Any]
+    make: Callable[[torch.device], GraphBackend]
     reasons: Callable[[torch.device], list[str]]
     doc: str
 
@@ -47,7 +81,7 @@ def unsupported_reasons(name: str, device: torch.device) -> list[str]:
     return BACKENDS[name].reasons(device)
 
 
-def select_backend(name: str, device: torch.device) -> Any:
+def select_backend(name: str, device: torch.device) -> GraphBackend:
     if name == "auto":
         name = knobs.graph_backend
     if name == "auto":

@@ -22,40 +22,11 @@ from typing import Any, Callable
 import torch
 
 from graphctl.errors import CaptureError
+from graphctl.graphs.backends.cuda_nodes import (allocator_regions, capturing_nodes, dot_print, graph_nodes,
+                                                 read_cuda_nodes)
 from graphctl.state.phase import capture_invalidated
 
-__all__ = ["CudaBackend", "CudaGraph", "graph_nodes", "capturing_nodes", "refuse_nested_capture"]
-
-
-def _rt():
-    try:
-        from cuda.bindings import runtime as rt
-    except ImportError:
-        return None
-    return rt
-
-
-def graph_nodes(raw_graph: int) -> list[int] | None:
-    """The node handles of a ``cudaGraph_t``, as ints (None without cuda-bindings or on error)."""
-    rt = _rt()
-    if rt is None:
-        return None
-    err, _, n = rt.cudaGraphGetNodes(raw_graph, 0)
-    if int(err) != 0:
-        return None
-    err, nodes, n = rt.cudaGraphGetNodes(raw_graph, n)
-    return [int(x) for x in nodes[:int(n)]] if int(err) == 0 else None
-
-
-def capturing_nodes(stream: torch.cuda.Stream) -> list[int] | None:
-    """The node handles recorded so far by the capture running on ``stream``."""
-    rt = _rt()
-    if rt is None:
-        return None
-    err, status, _id, graph, *_ = rt.cudaStreamGetCaptureInfo(stream.cuda_stream)
-    if int(err) != 0 or graph is None:
-        return None
-    return graph_nodes(int(graph))
+__all__ = ["CudaBackend", "CudaGraph", "refuse_nested_capture"]
 
 
 class _NodeOrder:
@@ -112,21 +83,15 @@ class CudaGraph:
 
     def nodes(self):
         """Every node, in capture order, with its kernel name and the addresses in its arguments."""
-        from graphctl.graphs.nodes import read_cuda_nodes
-
         return read_cuda_nodes(self.order)
 
     def memory_regions(self):
         """The caching allocator's memory on this graph's device, classified: this graph's pool,
-        live blocks and freed blocks outside it (see :mod:`graphctl.graphs.audit`)."""
-        from graphctl.graphs.audit import allocator_regions
-
+        live blocks and freed blocks outside it (see :mod:`graphctl.graphs.analysis.audit`)."""
         return allocator_regions(self._device, self._pool)
 
     def dot(self, path: str) -> None:
         """Write the graph as Graphviz DOT (``cudaGraphDebugDotPrint``, verbose)."""
-        from graphctl.graphs.nodes import dot_print
-
         dot_print(self._graph.raw_cuda_graph(), path)
 
     def replay(self) -> None:
@@ -138,7 +103,7 @@ class CudaGraph:
 
 
 class CudaBackend:
-    """Interface shared with :class:`~graphctl.graphs.emulated.EmulatedBackend`:
+    """Interface shared with :class:`~graphctl.graphs.backends.emulated.EmulatedBackend`:
     ``new_pool()``, ``warmup(body)``, ``capture(body, pool, bucket) -> (graph, out)`` where
     ``body(mark)`` runs the forward and ``mark()`` counts the nodes recorded so far, and
     ``synchronize()``. Graphs have ``replay()``, ``node_count`` and ``pool_bytes``."""
@@ -159,8 +124,6 @@ class CudaBackend:
 
     def live_blocks(self) -> set[tuple[int, int]]:
         """``(address, size)`` of the allocator's live blocks outside graph pools on this device."""
-        from graphctl.graphs.audit import allocator_regions  # the one walker of the allocator's snapshot
-
         return {(r.start, r.end - r.start) for r in allocator_regions(self.device, None) if r.kind == "live"}
 
     def warmup(self, body: Callable[[], Any]) -> Any:

@@ -5,7 +5,7 @@ build knobs without importing torch or the package. Values are parsed once, at i
 invalid value raises at once, naming the variable (never silently ignored). Tests and users
 override knobs for a region with :func:`scope`, never by mutating ``os.environ`` later.
 
-The table in ``docs/knobs.md`` is generated from :data:`KNOBS` (``python -m graphctl.debug``)
+The table in ``docs/knobs.md`` is generated from :data:`KNOBS` (``python -m graphctl.knobs``)
 and checked against it by ``tests/unit/test_knobs.py``.
 """
 from __future__ import annotations
@@ -119,7 +119,7 @@ class _Knobs:
             raise AttributeError(f"no graphctl knob named {name!r}") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("graphctl knobs are read-only; use graphctl.debug.scope(...)")
+        raise AttributeError("graphctl knobs are read-only; use graphctl.knobs.scope(...)")
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self._values)
@@ -130,7 +130,7 @@ knobs = _Knobs()
 
 @contextlib.contextmanager
 def scope(**overrides: Any) -> Iterator[None]:
-    """Override knobs for a region: ``with graphctl.debug.scope(check_stale=True): ...``."""
+    """Override knobs for a region: ``with graphctl.knobs.scope(check_stale=True): ...``."""
     values = knobs._values
     unknown = sorted(set(overrides) - set(values))
     if unknown:

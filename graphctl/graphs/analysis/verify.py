@@ -12,17 +12,30 @@ Both runs start from the same state: every non-``Stable`` buffer is restored bet
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from graphctl.errors import CaptureError
+__all__ = ["Mismatch", "Verifiable", "VerifyResult", "verify"]
 
-if TYPE_CHECKING:
-    from graphctl.graphs.runner import GraphRunner
 
-__all__ = ["Mismatch", "VerifyResult", "verify"]
+class Verifiable(Protocol):
+    """What :func:`verify` uses of a runner (``GraphRunner`` has it): the forward, the call
+    itself, the example, the static inputs and outputs to poison, a guard of the caller's state."""
+
+    fn: Callable[..., Any]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    @property
+    def captured(self) -> tuple[int, ...]: ...
+    @property
+    def inputs(self) -> Sequence[Any]: ...  # StaticInput: name, dim, per_item
+    def example_arguments(self) -> dict[str, Any]: ...
+    def assemble(self, values: dict[str, Any]) -> tuple[tuple, dict]: ...
+    def guard_all(self) -> Any: ...  # a Snapshot: a context manager with restore()
+    def outputs(self, bucket: int) -> list[torch.Tensor]: ...
+    def static_input(self, name: str) -> torch.Tensor: ...
 
 _POISON = {True: float("nan"), False: -(2**30)}
 
@@ -82,22 +95,19 @@ def _first_difference(want: torch.Tensor, got: torch.Tensor, rtol: float, atol: 
     return idx, want[idx].item(), got[idx].item()
 
 
-def verify(runner: "GraphRunner", *, gen: torch.Generator | None = None, rtol: float = 1e-5,
+def verify(runner: Verifiable, *, gen: torch.Generator | None = None, rtol: float = 1e-5,
            atol: float = 1e-5) -> tuple[VerifyResult, ...]:
-    if runner._example is None:
-        raise CaptureError("nothing captured yet", expected="capture_all() or a call first", found="no graphs",
-                           fix="call capture_all(*example) before verify()")
+    arguments = runner.example_arguments()  # raises CaptureError when nothing is captured
     gen = gen or torch.Generator().manual_seed(0)
-    arguments = runner._arguments(*runner._example)
-    sizes = runner.buckets.sizes
+    sizes = runner.captured
     results = []
     for i, b in enumerate(sizes):
         lo = sizes[i - 1] + 1 if i else 1
         # n == b, and an n strictly inside the bucket (padding live) wherever one exists
         ns = [b] if lo >= b else [int(torch.randint(lo, b, (1,), generator=gen)), b]
         for n in ns:
-            lives = {si.name: _like(arguments[si.name], n * si.per_item, si.dim, gen) for si in runner._inputs}
-            args, kwargs = runner._assemble({**arguments, **lives})
+            lives = {si.name: _like(arguments[si.name], n * si.per_item, si.dim, gen) for si in runner.inputs}
+            args, kwargs = runner.assemble({**arguments, **lives})
             with runner.guard_all() as state:
                 with torch.no_grad():
                     want, _ = tree_flatten_with_path(runner.fn(*args, **kwargs))
@@ -105,9 +115,9 @@ def verify(runner: "GraphRunner", *, gen: torch.Generator | None = None, rtol: f
                 state.restore()
                 for t in runner.outputs(b):
                     t.fill_(_POISON[t.dtype.is_floating_point])
-                for slot in runner._slots:
-                    tail = slot.static.narrow(slot.spec.dim, n * slot.spec.per_item,
-                                              slot.static.shape[slot.spec.dim] - n * slot.spec.per_item)
+                for si in runner.inputs:
+                    static = runner.static_input(si.name)
+                    tail = static.narrow(si.dim, n * si.per_item, static.shape[si.dim] - n * si.per_item)
                     tail.fill_(_POISON[tail.dtype.is_floating_point] if tail.dtype != torch.bool else True)
                 got, _ = tree_flatten_with_path(runner(*args, **kwargs))
                 got = [(p, t.clone() if isinstance(t, torch.Tensor) else t) for p, t in got]

@@ -1,91 +1,46 @@
-"""What a captured graph holds, node by node: type, kernel name, launch shape, and every device
-address found in its arguments (``../shared/reference/apis.md`` §2).
-
-Both backends describe their graphs as a list of :class:`Node`: the CUDA backend reads the kept
-template through the driver API (``cuda.bindings.driver``; the runtime cannot read kernels that
-libtorch's own cudart registered), the emulated backend turns each recorded op into one node
-whose references are its tensors' addresses. The pointer and segment audits
-(:mod:`graphctl.graphs.audit`) work on nodes only, so they are the same on both backends.
-
-Where addresses come from, on CUDA:
-
-- kernel nodes launched with ``kernelParams``: each parameter's bytes (sizes walked with
-  ``cuFuncGetParamInfo`` until it fails; ``cuFuncGetParamCount`` is missing on driver 580);
-- kernel nodes launched with ``extra`` (cuBLAS's ``nvjet`` kernels): the one packed argument
-  buffer. Such nodes are marked ``library``: their buffer also holds workspace pointers and TMA
-  descriptors, so an unregistered live allocation in them is the library's own workspace;
-- memcpy nodes (source read, destination written) and memset nodes (destination written).
-
-Every 8-byte-aligned word of a kernel's arguments is a candidate address; the audit keeps the
-ones that fall into known memory. A kernel's arguments do not say what it reads and what it
-writes, so kernel references have access ``touch``.
+"""The CUDA backend's readers: a captured graph's node handles, each node's parameters through
+the driver API (the runtime cannot read kernels that libtorch's own cudart registered), DOT
+export, and the caching allocator's segments. What they produce is the pure data of
+``graphctl/graphs/analysis/nodes.py``; what the nodes mean is documented there.
 """
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import re
-from typing import Sequence
+from typing import Any, Sequence
 
-__all__ = ["Ref", "Node", "Region", "flatten", "register_bodies", "is_library_kernel", "LIBRARY_KERNEL_PREFIXES", "read_cuda_nodes", "census", "dot_print", "short_name", "driver"]
+import torch
+
+from graphctl import bindings
+from graphctl.graphs.analysis.nodes import Node, Ref, Region, is_library_kernel, short_name
+
+__all__ = ["graph_nodes", "capturing_nodes", "read_cuda_nodes", "register_bodies", "dot_print", "allocator_regions"]
 
 _WORD = 8
 _MAX_PARAMS = 4096
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Ref:
-    """A device address found in a node: ``where`` in its arguments, and how it is used."""
-
-    address: int
-    access: str  # "read", "write" or "touch" (a kernel argument: either)
-    where: str  # "param 2+8", "extra+64", "src", "dst", "arg 0"
-    nbytes: int = 0  # known extent (copies, memsets, emulated tensors), 0 when unknown
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Node:
-    """One node of a captured graph (CUDA) or one recorded op (emulated)."""
-
-    index: int
-    kind: str  # "kernel", "memcpy", "memset", "empty", ... ; "op" on the emulated backend
-    name: str  # short kernel or op name ("at::native::vectorized_elementwise_kernel", "aten::add.Tensor")
-    symbol: str = ""  # the mangled kernel symbol, when there is one
-    launch: str = ""  # "grid 4x1x1 block 128x1x1 smem 0", "1024 B", ...
-    param_sizes: tuple[int, ...] = ()
-    library: bool = False  # a CUDA library's kernel: arguments packed in ``extra``, or a library name
-    refs: tuple[Ref, ...] = ()
-    note: str = ""  # why something could not be read
-    body: tuple["Node", ...] = ()  # the nodes of a conditional's body or a child graph (indices within it)
-
-    @property
-    def graphctl(self) -> bool:
-        """A node of graphctl's own switch machinery (declared, not audited as user work)."""
-        return self.name.startswith("graphctl::")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Region:
-    """A named range of device (or, emulated, host) memory ``[start, end)``. ``kind``:
-    ``buffer`` (a declared state buffer or twin), ``arena`` (graphctl's snapshot slots),
-    ``input`` / ``output`` (the runner's static tensors), ``argument`` (a frozen tensor
-    argument), ``param`` (a model parameter or buffer the caller registered), ``pool`` (the
-    graph's private memory pool), ``live`` / ``freed`` (caching-allocator blocks outside the
-    pool, allocated or free)."""
-
-    name: str
-    kind: str
-    start: int
-    end: int
-
-
-def driver():
-    """``cuda.bindings.driver``, or None when cuda-bindings is not installed."""
-    try:
-        from cuda.bindings import driver as drv
-    except ImportError:
+def graph_nodes(raw_graph: int) -> list[int] | None:
+    """The node handles of a ``cudaGraph_t``, as ints (None without cuda-bindings or on error)."""
+    rt = bindings.runtime()
+    if rt is None:
         return None
-    return drv
+    err, _, n = rt.cudaGraphGetNodes(raw_graph, 0)
+    if int(err) != 0:
+        return None
+    err, nodes, n = rt.cudaGraphGetNodes(raw_graph, n)
+    return [int(x) for x in nodes[:int(n)]] if int(err) == 0 else None
+
+
+def capturing_nodes(stream: torch.cuda.Stream) -> list[int] | None:
+    """The node handles recorded so far by the capture running on ``stream``."""
+    rt = bindings.runtime()
+    if rt is None:
+        return None
+    err, status, _id, graph, *_ = rt.cudaStreamGetCaptureInfo(stream.cuda_stream)
+    if int(err) != 0 or graph is None:
+        return None
+    return graph_nodes(int(graph))
 
 
 def _ok(r) -> tuple[bool, tuple]:
@@ -98,43 +53,6 @@ def _int(v) -> int:
         return int(v)
     except TypeError:  # pointer wrappers without __int__
         return int(v.getPtr())
-
-
-_NESTED = re.compile(r"(\d+)")
-
-# Kernels of the CUDA libraries torch calls (cuBLAS, cuBLASLt, cuDNN, CUTLASS-based GEMMs): their
-# arguments also carry the library's own workspace, which torch allocates once through its
-# caching allocator, outside any graph pool, possibly before the runner's warmup. Seen on an H100:
-# cuBLASLt's split-K reduction (``cublasLt::splitKreduce_kernel``) takes it as a plain argument.
-LIBRARY_KERNEL_PREFIXES = ("cublas", "nvjet", "cutlass", "cudnn", "xmma", "sm80_", "sm90_", "sm100_", "gemv",
-                           "gemmk", "gemmSN", "ampere_", "hopper_")
-
-
-def is_library_kernel(short: str) -> bool:
-    """Whether a kernel's short name is one of a CUDA library's (see ``LIBRARY_KERNEL_PREFIXES``)."""
-    return short.startswith(LIBRARY_KERNEL_PREFIXES)
-
-
-def short_name(symbol: str) -> str:
-    """``_ZN2at6native18elementwise_kernelILi128ELi4EZ...`` -> ``at::native::elementwise_kernel``:
-    the qualified name of an Itanium-mangled symbol, without template arguments; anything
-    else unchanged. Enough to recognise a kernel; the full symbol is kept next to it."""
-    if not symbol.startswith("_Z"):
-        return symbol
-    s = symbol[2:]
-    if s.startswith("N"):
-        s = s[1:]
-        while s[:1] in ("K", "V", "L"):
-            s = s[1:]
-    parts = []
-    while s and s[0].isdigit():
-        m = _NESTED.match(s)
-        n, s = int(m.group(1)), s[m.end():]
-        parts.append(s[:n])
-        s = s[n:]
-        if s[:1] == "I":  # template arguments: the name is complete
-            break
-    return "::".join(parts) if parts else symbol
 
 
 def _words(data: bytes, where: str, base_off: int = 0) -> list[Ref]:
@@ -263,7 +181,7 @@ def _bodies(drv, node, h: int, kind: str) -> tuple[list[int], str]:
 def read_cuda_nodes(order: Sequence[int]) -> list[Node]:
     """The nodes ``order`` names (``CUgraphNode`` handles as ints, in capture order); the
     nodes of conditional bodies and child graphs come as each node's ``body``."""
-    drv = driver()
+    drv = bindings.driver()
     if drv is None:
         return []
     nodes = []
@@ -274,47 +192,18 @@ def read_cuda_nodes(order: Sequence[int]) -> list[Node]:
         n = read(drv, node, i) if read else Node(i, kind, kind)
         if kind in ("conditional", "graph"):
             graphs, note = _bodies(drv, node, h, kind)
-            from graphctl.graphs.cuda import graph_nodes  # the one lister of a graph's node handles
-
             body = [x for g in graphs for x in read_cuda_nodes(graph_nodes(g) or [])]
             n = dataclasses.replace(n, body=tuple(body), note=note)
         nodes.append(n)
     return nodes
 
 
-def flatten(nodes: Sequence[Node]) -> list[tuple[Node, str]]:
-    """Every node with its bodies' nodes after it, each with where it sits (``"12"``,
-    ``"12/3"`` for node 3 of node 12's body)."""
-    out: list[tuple[Node, str]] = []
-
-    def walk(ns: Sequence[Node], prefix: str) -> None:
-        for n in ns:
-            at = f"{prefix}{n.index}"
-            out.append((n, at))
-            walk(n.body, at + "/")
-
-    walk(nodes, "")
-    return out
-
-
-def census(nodes: Sequence[Node]) -> dict[str, dict[str, int]]:
-    """``{"types": {kind: count}, "kernels": {name: count}}``, most frequent first (bodies of
-    conditional nodes and child graphs included)."""
-    types: dict[str, int] = {}
-    kernels: dict[str, int] = {}
-    for n, _ in flatten(nodes):
-        types[n.kind] = types.get(n.kind, 0) + 1
-        if n.kind in ("kernel", "op"):
-            kernels[n.name] = kernels.get(n.name, 0) + 1
-    order = lambda d: dict(sorted(d.items(), key=lambda kv: (-kv[1], kv[0])))  # noqa: E731
-    return {"types": order(types), "kernels": order(kernels)}
-
-
 def dot_print(raw_graph: int, path: str, verbose: bool = True) -> None:
     """Write the graph as Graphviz DOT (``cudaGraphDebugDotPrint``) with kernel and copy
     parameters; raises RuntimeError when the runtime refuses."""
-    from cuda.bindings import runtime as rt
-
+    rt = bindings.runtime()
+    if rt is None:
+        raise RuntimeError("DOT export needs cuda-bindings (pip install cuda-bindings)")
     F = rt.cudaGraphDebugDotFlags
     flags = int(F.cudaGraphDebugDotFlagsVerbose) if verbose else (
         int(F.cudaGraphDebugDotFlagsKernelNodeParams) | int(F.cudaGraphDebugDotFlagsMemcpyNodeParams) |
@@ -322,3 +211,28 @@ def dot_print(raw_graph: int, path: str, verbose: bool = True) -> None:
     err, = rt.cudaGraphDebugDotPrint(raw_graph, path.encode(), flags)
     if int(err) != 0:
         raise RuntimeError(f"cudaGraphDebugDotPrint failed: {err}")
+
+
+def allocator_regions(device: torch.device, pool: Any) -> list[Region]:
+    """The caching allocator's segments on ``device``: every private pool's segments as ``pool``
+    regions (``pool``'s own, or another graph's, such as a device loop body's pool), every block
+    of the default pool as ``live`` or ``freed``."""
+    regions = []
+    pool_id = tuple(pool) if pool is not None else None
+    for seg in torch.cuda.memory_snapshot():
+        if seg["device"] != device.index:
+            continue
+        start = int(seg["address"])
+        sid = tuple(seg.get("segment_pool_id") or (0, 0))
+        if sid != (0, 0):
+            name = "graph pool" if sid == pool_id else f"private pool {sid}"
+            regions.append(Region(name, "pool", start, start + int(seg["total_size"])))
+            continue
+        at = start
+        for blk in seg["blocks"]:
+            addr = int(blk.get("address", at))
+            size = int(blk["size"])
+            kind = "live" if blk["state"].startswith("active") else "freed"
+            regions.append(Region(f"{kind} block of {size} B", kind, addr, addr + size))
+            at = addr + size
+    return regions

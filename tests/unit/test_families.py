@@ -10,8 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import graphctl
-from graphctl.backends import BACKENDS, make_backend, not_supported_reasons
-from graphctl.backends.dsa import _expand, _slot_fp8
+from graphctl.families import FAMILIES, make_family, not_supported_reasons
+from graphctl.families.dsa import _expand, _slot_fp8
 from graphctl.testing import Case, GraphMachine, SwitchMachine
 
 
@@ -38,12 +38,12 @@ class BackendCase(Case):
 def _draw(data, name: str, device="cpu") -> BackendCase:
     seqs, blocks, k = data.draw(st.integers(2, 6)), data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3))
     seed = data.draw(st.integers(0, 2**31 - 1))
-    meta, state = make_backend(name, seqs=seqs, blocks=blocks, draft_len=k, seed=seed, device=device)
+    meta, state = make_family(name, seqs=seqs, blocks=blocks, draft_len=k, seed=seed, device=device)
     gen = torch.Generator().manual_seed(seed)
     n = data.draw(st.integers(1, seqs))
     meta.prepare(state, torch.randint(1, k + 2, (n,), generator=gen, dtype=torch.int32),
                  torch.randint(k + 1, 24, (n,), generator=gen, dtype=torch.int32))
-    spec = BACKENDS[name].spec(block_size=8)
+    spec = FAMILIES[name].spec(block_size=8)
     registry = graphctl.Registry()
     registry.register(type(meta), spec)
     return BackendCase(obj=meta, spec=spec, registry=registry, gen=gen, device=torch.device(device))
@@ -62,7 +62,7 @@ def _machines(name: str):
 
 
 _FEW = settings(settings(), max_examples=max(5, settings().max_examples // 8))
-for _name in BACKENDS:
+for _name in FAMILIES:
     _sw, _gr = _machines(_name)
     globals()[f"TestSwitchMachine_{_name}"] = _sw.TestCase
     globals()[f"TestGraphMachine_{_name}"] = _gr.TestCase
@@ -70,7 +70,7 @@ for _name in BACKENDS:
 
 
 def _prepared(name: str, gen, n=4, k=2, seqs=6, blocks=4):
-    meta, state = make_backend(name, seqs=seqs, blocks=blocks, draft_len=k, seed=int(torch.randint(0, 999, (1,),
+    meta, state = make_family(name, seqs=seqs, blocks=blocks, draft_len=k, seed=int(torch.randint(0, 999, (1,),
                                                                                                    generator=gen)))
     meta.prepare(state, torch.full((n,), k + 1, dtype=torch.int32),
                  torch.randint(k + 1, 30, (n,), generator=gen, dtype=torch.int32))
@@ -124,5 +124,5 @@ def test_unsupported_configuration_says_why():
     reasons = not_supported_reasons("deepseek_v4", draft_compress_ratios=[4, 128])
     assert len(reasons) == 1 and "SWA-only" in reasons[0]
     with pytest.raises(ValueError, match="SWA-only"):
-        make_backend("deepseek_v4", seqs=2, blocks=2, draft_len=1, draft_compress_ratios=[4])
+        make_family("deepseek_v4", seqs=2, blocks=2, draft_len=1, draft_compress_ratios=[4])
     assert all(not_supported_reasons(n) == [] for n in ("paged", "trtllm", "dsa"))

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from graphctl.backends.dsa import DSAKVCacheManager, DSAMetadata, dsa_spec
+from graphctl.families.dsa import DSAKVCacheManager, DSAMetadata, dsa_spec
 from graphctl.state import CopyInPlace, Pad, StateSpec, Swap
 
 __all__ = ["DSv4KVCacheManager", "DeepseekV4Metadata", "deepseek_v4_spec", "not_supported_reasons"]

@@ -1,0 +1,221 @@
+"""The two capture passes, and what the example call fixes for every bucket.
+
+:class:`Fixed` is the runner's one "captured" state: made by :meth:`Fixed.make` from the
+example call at ``capture_all``, dropped by ``reset()``; before it exists nothing is captured.
+:func:`capture_buckets` runs the passes on it:
+
+1. **warmup**, every bucket, largest first: each bucket starts from the caller's state, loads
+   the example's first ``min(n, bucket)`` items (padding the state for the bucket), and runs
+   the forward eagerly ``warmup_iters`` times under the mutable-buffer guard. Each bucket's
+   first run goes under the side-effect tracker (``graphs/effects.py``); what it finds is
+   restored after every later run. Every workspace reaches its high-water mark before any
+   capture, so no capture records a first-time allocation.
+2. **capture**, largest first into one pool (smaller graphs reuse its blocks), each bucket
+   from the caller's state again, segments marked at every switch boundary.
+
+The caller's state (declared buffers and side effects) is handed back as it was found, on
+success and on any exception.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from graphctl.errors import DeclarationError
+from graphctl.graphs.analysis.nodes import Region
+from graphctl.graphs.backends import GraphBackend, select_backend
+from graphctl.graphs.captured import Captured, gc_held, segments_from_marks, settle_slicing
+from graphctl.graphs.calls import Signature
+from graphctl.graphs.effects import Ledger, reachable, roots_of, storage_key
+from graphctl.graphs.frozen import freeze
+from graphctl.graphs.inputs import Buckets, InputSlot, StaticInput
+from graphctl.state import BoundState
+from graphctl.state.snapshot import Snapshot
+
+__all__ = ["Fixed", "capture_buckets"]
+
+log = logging.getLogger("graphctl")
+
+
+@dataclasses.dataclass(slots=True)
+class Fixed:
+    """What the example call fixed, from ``capture_all`` until ``reset()``."""
+
+    inputs: tuple[StaticInput, ...]
+    slots: tuple[InputSlot, ...]
+    positions: tuple[int, ...]  # each static input's position in the forward's signature
+    pad_axes: dict[str, int]
+    backend: GraphBackend
+    guard: Snapshot  # the mutable buffers (and what derives from them), around every run
+    refreshes: bool  # the state has draft twins to refresh around replay
+    frozen: dict[str, tuple[Any, Any]]  # non-input argument -> (object, structural copy)
+    example: tuple[tuple, dict]
+    n: int  # the example's batch items
+
+    @classmethod
+    def make(cls, sig: Signature, arguments: dict[str, Any], args: tuple, kwargs: dict, *, declared:
+             tuple[StaticInput, ...] | None, pad_axes: dict[str, int] | None, largest: int, backend: str,
+             state: BoundState | None, batch: Callable[[tuple[StaticInput, ...], dict[str, Any]],
+                                                       tuple[int, list[Any]]]) -> "Fixed":
+        inputs = declared
+        if inputs is None:
+            inputs = tuple(StaticInput(n) for n, v in arguments.items() if isinstance(v, torch.Tensor))
+        if not inputs:
+            raise DeclarationError("the forward has no static input", expected="at least one tensor argument",
+                                   found=list(arguments), fix="declare inputs=('input_ids', ...)")
+        slots = tuple(InputSlot(si, si.allocate(arguments[si.name], largest)) for si in inputs)
+        names = {si.name for si in inputs}
+        n, lives = batch(inputs, arguments)
+        for slot, live in zip(slots, lives):
+            err = slot.spec.check(live, slot.static, n)
+            if err is not None:
+                raise err
+        return cls(
+            inputs=inputs, slots=slots, positions=tuple(sig.position[si.name] for si in inputs),
+            pad_axes=pad_axes if pad_axes is not None else {"seq": 1, "token": inputs[0].per_item},
+            backend=select_backend(backend, slots[0].device),
+            guard=Snapshot.of(state, BoundState.mutable_names),
+            # the replay-time refreshes of draft twins; a spec without any needs no switch around replay
+            refreshes=state is not None and bool(state.snapshot_names("refresh")),
+            # Non-input arguments are baked into the graph: keep each object and a structural copy
+            # of what it held (containers are compared by contents at every call: an in-place
+            # change to a dict or list passed here would otherwise replay capture-time values).
+            frozen={k: (v, freeze(v)) for k, v in arguments.items() if k not in names},
+            example=(args, kwargs), n=n)
+
+    def input_addresses(self) -> dict[str, int]:
+        # every bucket's view starts at its static buffer's first byte
+        return {f"input:{slot.spec.name}": slot.static.data_ptr() for slot in self.slots}
+
+    def head(self, arguments: dict[str, Any], m: int) -> dict[str, torch.Tensor]:
+        """The example's static inputs cut to their first ``m`` items, in input order."""
+        return {si.name: arguments[si.name].narrow(si.dim, 0, m * si.per_item) for si in self.inputs}
+
+
+@dataclasses.dataclass(slots=True)
+class Passes:
+    """What the two passes need from the runner, explicitly."""
+
+    fn: Callable[..., Any]
+    fixed: Fixed
+    state: BoundState | None
+    ledger: Ledger
+    buckets: Buckets
+    warmup_iters: int
+    params: Any
+    load: Callable[[dict[str, Any], int, int], None]  # (arguments, n, bucket): inputs and state padded
+    call_args: Callable[[dict[str, Any], int], tuple[tuple, dict]]  # the forward's call on a bucket's views
+    manifest: Callable[[], dict[str, int]]
+    progress: bool | None
+
+
+def capture_buckets(p: Passes, arguments: dict[str, Any]) -> tuple[dict[int, Captured], tuple[Region, ...]]:
+    """Both passes (see the module docstring): the captured buckets and the warmup workspaces."""
+    fx, be = p.fixed, p.fixed.backend
+    order = sorted(p.buckets.sizes, reverse=True)
+    graphs: dict[int, Captured] = {}
+    with Snapshot.of(p.state, BoundState.restorable_names) as given, gc_held(), _progress(p.progress) as bar:
+        task = bar.add_task("warmup", total=2 * len(order)) if bar else None
+        be.synchronize()
+        before = be.live_blocks()
+        for b in order:  # pass 1: every workspace reaches its high-water mark before any capture
+            given.restore()
+            p.load(arguments, fx.n, b)
+            call = p.call_args(arguments, b)
+            for it in range(p.warmup_iters):
+                try:
+                    with fx.guard:
+                        if it == 0:  # a bucket's first run finds its side effects (and undoes them)
+                            given.adopt(_tracked_warmup(p, arguments, call))
+                        else:
+                            be.warmup(lambda: p.fn(*call[0], **call[1]))
+                except BaseException as exc:
+                    exc.add_note(f"graphctl: raised while warming up bucket {b}; the caller's state was restored")
+                    raise
+                if p.ledger.tensors:  # the next run starts from the caller's state too
+                    given.restore(added_only=True)
+            if bar:
+                bar.update(task, advance=1, description=f"warmup bucket {b}")
+        be.synchronize()
+        # what warmup allocated and kept is library state (cuBLAS workspaces): the audit's "workspace"
+        workspaces = tuple(Region(f"warmup allocation of {n} B", "workspace", a, a + n)
+                           for a, n in sorted(be.live_blocks() - before))
+        pool = be.new_pool()
+        t_start = time.perf_counter()
+        for b in order:  # pass 2: largest first, so smaller graphs reuse its pool blocks
+            given.restore()
+            p.load(arguments, fx.n, b)
+            graphs[b] = _capture_one(p, b, p.call_args(arguments, b), pool)
+            if bar:
+                pool_mib = sum(c.graph.pool_bytes for c in graphs.values()) / 2**20
+                bar.update(task, advance=1, description=f"captured bucket {b} "
+                           f"({time.perf_counter() - t_start:.1f}s, pool {pool_mib:.1f} MiB)")
+        settle_slicing(list(graphs.values()))
+    return graphs, workspaces
+
+
+def _tracked_warmup(p: Passes, arguments: dict[str, Any], call: tuple[tuple, dict]) -> list:
+    """An eager run under the write tracker: what it writes to tensors the forward reaches but
+    graphctl does not own is a side effect. Returns the new ``(live, copy)`` pairs."""
+    owned = {storage_key(slot.static) for slot in p.fixed.slots}
+    if p.state is not None:
+        owned |= {storage_key(p.state.tensor(n)) for n in p.state.plan.buffers}
+        owned |= {storage_key(t) for t in p.state.arenas().values()}
+    be = p.fixed.backend
+    pairs = p.ledger.track(lambda: be.warmup(lambda: p.fn(*call[0], **call[1])),
+                           reachable(roots_of(p.fn, arguments, p.params)), owned, be.synchronize)
+    if pairs:
+        log.info("graphctl: %s writes state it does not own (restored around every warmup, capture, measure "
+                 "and verify run, %d B of snapshots): %s", getattr(p.fn, "__qualname__", p.fn),
+                 p.ledger.nbytes, "; ".join(map(str, p.ledger.effects)))
+    return pairs
+
+
+def _capture_one(p: Passes, bucket: int, call: tuple[tuple, dict], pool: Any) -> Captured:
+    marks: list[tuple[str, int]] = []
+
+    def body(mark: Callable[[], int]) -> Any:
+        def observe(role: str, phase: str, event: str) -> None:
+            if phase == "capture":
+                marks.append((event, mark()))
+        if p.state is None:
+            return p.fn(*call[0], **call[1])
+        with p.state.observe(observe):
+            return p.fn(*call[0], **call[1])
+
+    t0 = time.perf_counter()
+    with p.fixed.guard:
+        graph, out = p.fixed.backend.capture(body, pool, bucket)
+    ms = (time.perf_counter() - t0) * 1e3
+    return Captured(graph, out, bucket, p.manifest(), segments_from_marks(marks, graph.node_count), ms,
+                    frozenset({1} | {si.per_item for si in p.fixed.inputs}))
+
+
+def _progress(show: bool | None) -> Any:
+    if show is None:
+        show = sys.stderr.isatty()
+    if not show:
+        return contextlib.nullcontext(None)
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    return Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(), transient=True)
+
+
+def tiled(inputs: Sequence[StaticInput], arguments: dict[str, Any], n: int, b: int) -> dict[str, torch.Tensor]:
+    """The example's static inputs at ``b`` items: its first ``b`` items, or its ``n`` items
+    repeated whole when ``b > n``."""
+    out = {}
+    for si in inputs:
+        t = arguments[si.name]
+        if b <= n:
+            out[si.name] = t.narrow(si.dim, 0, b * si.per_item)
+        else:
+            idx = torch.arange(b * si.per_item, device=t.device) % (n * si.per_item)
+            out[si.name] = t.index_select(si.dim, idx)
+    return out

@@ -1,0 +1,101 @@
+"""One bucket's capture, as the runner keeps it: the graph, its static outputs (sliced to the
+live batch on the way out), the address manifest it was captured against, its segments
+(target, draft, post) and its counters; and the capture-time helpers that build it.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from graphctl.graphs.analysis.report import Segment
+
+__all__ = ["Captured", "gc_held", "segments_from_marks", "settle_slicing"]
+
+
+class Captured:
+    """One bucket's graph and everything its replay relies on."""
+
+    __slots__ = ("graph", "out_flat", "out_spec", "out_rows", "single", "manifest", "segments", "draft",
+                 "checked", "capture_ms", "replays", "replay_us", "eager_us", "_sliced")
+
+    def __init__(self, graph, out, bucket: int, manifest: dict[str, int], segments: tuple[Segment, ...],
+                 capture_ms: float, per_items: frozenset[int]) -> None:
+        self.graph = graph
+        self.out_flat, self.out_spec = tree_flatten(out)
+        self.single = isinstance(out, torch.Tensor)
+        # Rows per batch item of each output's first dim, or None: that output is not sliced. An
+        # output is batched when its first dim is bucket * r, r = 1 or the per_item of a static input (and,
+        # across buckets, with the same per_item: see settle_slicing); never because
+        # the first dim merely divides by the bucket (a [256] per-vocab output at bucket 4).
+        self.out_rows = tuple(t.shape[0] // bucket if isinstance(t, torch.Tensor) and t.dim() and
+                              t.shape[0] % bucket == 0 and t.shape[0] // bucket in per_items else None
+                              for t in self.out_flat)
+        self.manifest = manifest
+        self.segments = segments
+        self.draft = any(s.name.startswith("draft") for s in segments)
+        self.checked = False
+        self.capture_ms = capture_ms
+        self.replays = 0
+        self.replay_us: float | None = None
+        self.eager_us: float | None = None
+        self._sliced: dict[int, Any] = {}
+
+    def outputs(self, n: int) -> Any:
+        """The static outputs sliced to ``n`` items (views, built once per ``n``)."""
+        out = self._sliced.get(n)
+        if out is None:
+            if self.single:
+                r = self.out_rows[0]
+                out = self.out_flat[0] if r is None else self.out_flat[0][: n * r]
+            else:
+                leaves = [t if r is None else t[: n * r] for t, r in zip(self.out_flat, self.out_rows)]
+                out = tree_unflatten(leaves, self.out_spec)
+            self._sliced[n] = out
+        return out
+
+
+def settle_slicing(caps: Sequence[Captured]) -> None:
+    """An output is sliced only where every bucket agrees it is batched, at one per_item: a
+    first dim that equals bucket * per_item in one bucket only is a coincidence."""
+    caps = list(caps)
+    for i in range(len(caps[0].out_rows)):
+        rows = {c.out_rows[i] if i < len(c.out_rows) else None for c in caps}
+        if len(rows) > 1 or (len(caps) > 1 and None in rows):
+            for c in caps:
+                if i < len(c.out_rows):
+                    c.out_rows = c.out_rows[:i] + (None,) + c.out_rows[i + 1:]
+
+
+def segments_from_marks(marks: list[tuple[str, int]], total: int) -> tuple[Segment, ...]:
+    """Turn switch enter/exit marks into named segments: target, draft (or draft[i]), post."""
+    segs, cursor, drafts = [], 0, sum(1 for e, _ in marks if e == "enter")
+    i = 0
+    for event, at in marks:
+        if event == "enter":
+            if at > cursor or not segs:
+                segs.append(Segment("target" if i == 0 else "post", cursor, at))
+            cursor = at
+        else:
+            segs.append(Segment("draft" if drafts == 1 else f"draft[{i}]", cursor, at))
+            cursor, i = at, i + 1
+    if total > cursor or not segs:
+        segs.append(Segment("target" if not marks else "post", cursor, max(total, cursor)))
+    return tuple(segs)
+
+
+@contextlib.contextmanager
+def gc_held() -> Iterator[None]:
+    # A collection during capture can run __del__ of tensors (frees inside the capture's pool)
+    # and costs seconds across many buckets; collect once, then hold it off.
+    gc.collect()
+    was = gc.isenabled()
+    try:  # disable inside the try: a Ctrl-C right after it must still re-enable collection
+        gc.disable()
+        yield
+    finally:
+        if was:
+            gc.enable()

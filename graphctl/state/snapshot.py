@@ -1,0 +1,71 @@
+"""A snapshot of tensors a run may change, put back after it: the graph runner's guard around
+its warmup, capture, measure and verify runs (declared buffers, and the side effects of
+``graphctl/graphs/effects.py``). The copies are allocated once, at construction; taking and
+restoring them go through :func:`graphctl.ops.copy_`, one fused call per device.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from graphctl import ops
+
+if TYPE_CHECKING:
+    from graphctl.state.bound import BoundState
+
+__all__ = ["Snapshot"]
+
+
+class Snapshot:
+    """Copies of ``tensors`` (and ``extra`` ones), taken on entry, put back on exit and on
+    :meth:`restore`. ``tensors`` are a state's declared buffers; ``extra`` (and what
+    :meth:`add`/:meth:`adopt` bring) are not, so ``restore(added_only=True)`` can put back side
+    effects without undoing a bucket's padding of the state."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], extra: Sequence[torch.Tensor] = ()) -> None:
+        self._live = list(tensors) + list(extra)
+        self._saved = [t.clone() for t in self._live]
+        self._declared = len(tensors)
+
+    @classmethod
+    def of(cls, state: BoundState | None, names: Callable[[BoundState], Sequence[str]],
+           extra: Sequence[torch.Tensor] = ()) -> "Snapshot":
+        """A snapshot of ``names(state)`` (e.g. ``BoundState.mutable_names``) and ``extra``."""
+        return cls([state.tensor(n) for n in names(state)] if state is not None else [], extra)
+
+    def add(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Guard ``tensors`` too, from their contents now."""
+        self._live += list(tensors)
+        self._saved += [t.clone() for t in tensors]
+
+    def adopt(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Guard each ``(live, copy)`` with the copy given (already the contents to restore)."""
+        self._live += [live for live, _ in pairs]
+        self._saved += [copy for _, copy in pairs]
+
+    def __enter__(self) -> "Snapshot":
+        _copy(self._saved, self._live)
+        return self
+
+    def restore(self, added_only: bool = False) -> None:
+        """Put everything back, or (``added_only``) only what is not a declared buffer."""
+        start = self._declared if added_only else 0
+        _copy(self._live[start:], self._saved[start:])
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def _copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i] = src[i]``, one fused call per device (the buffers of a state may live on the
+    GPU and, as pinned host mirrors, on the CPU)."""
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for d, s in zip(dst, src):
+        if d.numel():
+            pair = by_device.setdefault(d.device, ([], []))
+            pair[0].append(d)
+            pair[1].append(s)
+    with torch.no_grad():
+        for ds, ss in by_device.values():
+            ops.copy_(ds, ss)
