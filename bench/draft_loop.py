@@ -32,7 +32,7 @@ import torch
 
 import graphctl
 from graphctl import StaticInput
-from graphctl.families.paged import _cumsum, _positions, _slots, _token_map
+from graphctl.families.paged import cumulative_lengths_, positions_, slot_mapping_, token_map_
 from graphctl.models import EngineConfig, MTPEngine
 
 SIZES = (1, 8, 64, 256)
@@ -53,13 +53,13 @@ class HandWritten:
     def _recompute(self, changed: str) -> None:
         m, bs = self.m, self.eng.cfg.block_size
         if changed == "seq_lens":
-            _cumsum(m.cu_seq_lens, m.seq_lens)
-            _token_map(m.req_idx_per_token, m.seq_lens)
+            cumulative_lengths_(m.cu_seq_lens, m.seq_lens)
+            token_map_(m.req_idx_per_token, m.seq_lens)
         else:
-            _cumsum(m.cu_kv_lens, m.kv_lens)
-        _positions(m.token_positions, m.seq_lens, m.kv_lens, m.req_idx_per_token, m.cu_seq_lens, m.token_index,
+            cumulative_lengths_(m.cu_kv_lens, m.kv_lens)
+        positions_(m.token_positions, m.seq_lens, m.kv_lens, m.req_idx_per_token, m.cu_seq_lens, m.token_index,
                    m.scratch_i64, m.scratch_i32)
-        _slots(m.slot_mapping, m.block_table, m.token_positions, m.req_idx_per_token, m.scratch_i64, m.scratch_i32,
+        slot_mapping_(m.slot_mapping, m.block_table, m.token_positions, m.req_idx_per_token, m.scratch_i64, m.scratch_i32,
                block_size=bs)
 
     def _write(self, name: str, value: torch.Tensor) -> None:
@@ -77,7 +77,7 @@ class HandWritten:
         table, mgr = m.block_table, m.kv_cache_manager
         m.block_table, m.kv_cache_manager = m.draft_block_table, m.draft_kv_cache_manager
         try:
-            _slots(m.slot_mapping, m.block_table, m.token_positions, m.req_idx_per_token, m.scratch_i64,
+            slot_mapping_(m.slot_mapping, m.block_table, m.token_positions, m.req_idx_per_token, m.scratch_i64,
                    m.scratch_i32, block_size=eng.cfg.block_size)
             drafts = eng.draft_loop(input_ids, accepted, bonus, self._write)
         finally:

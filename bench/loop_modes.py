@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from draft_loop import latencies_us  # noqa: E402  (the interleaved timer both benchmarks share)
 
-from graphctl.models import MODES, EngineConfig, MTPEngine, draft_confidences, expected_dynamic, graphed_step  # noqa: E402
+from graphctl.models import (MODES, EngineConfig, MTPEngine, draft_confidences, dynamic_of,  # noqa: E402
+                             expected_dynamic, graphed_step)
 
 
 def expected_steps(conf: torch.Tensor, t: float) -> int:
@@ -70,7 +71,7 @@ def main() -> int:
             vals = sorted(set(conf.flatten().tolist()))  # midpoints: a threshold equal to a probability could flip
             cands = [(x + y) / 2 for x, y in zip(vals, vals[1:]) if y - x > 2e-3] or [0.0]
             thr = min(cands, key=lambda c: (abs(expected_steps(conf, c) - (k + 1) // 2), c))
-            dyn = fns["device_loop"].dynamic
+            dyn = dynamic_of(fns["device_loop"])
             dyn.set_threshold(thr)
             fns["device_loop"](ids, eng.meta)
             steps = int(dyn.counter)

@@ -1,5 +1,5 @@
-"""The main job until the `graphctl capture` CLI lands: declare a DSA-class buffer set, bind
-it, and run one-model MTP decode steps (target forward over k+1 tokens per request, then k
+"""A tour of the declarations and the switch (the main job is `graphctl capture`): declare a
+DSA-class buffer set, bind it, and run one-model MTP decode steps (target forward over k+1 tokens per request, then k
 draft steps at 1 token per request) with the target->draft switch done by graphctl.
 
 Prints the declared buffers, per phase what one switch moves and costs, then graphs the

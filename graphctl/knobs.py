@@ -6,7 +6,7 @@ invalid value raises at once, naming the variable (never silently ignored). Test
 override knobs for a region with :func:`scope`, never by mutating ``os.environ`` later.
 
 The table in ``docs/knobs.md`` is generated from :data:`KNOBS` (``python -m graphctl.knobs``)
-and checked against it by ``tests/unit/test_knobs.py``.
+and checked against it by ``tests/unit/test_knobs_and_extension.py``.
 """
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
                        description=_CAPTURE, formatter_class=raw)
     c.add_argument("target", nargs="?", metavar="TARGET",
                    help="module:factory or file.py:factory returning a CaptureTarget (default: the built-in engine, "
-                        "graphctl.models.mtp:capture_target)")
+                        "graphctl.cli.builtin:capture_target)")
     c.add_argument("--buckets", type=_buckets, metavar="LIST",
                    help="batch sizes (requests) to capture, e.g. --buckets 1,2,4,8 (default: derived from "
                         "--max-batch: powers of two and the maximum)")

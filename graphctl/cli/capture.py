@@ -23,7 +23,7 @@ from graphctl.cli.target import load_target
 __all__ = ["run_capture", "derive_buckets", "coverage_rows", "SCHEMA"]
 
 SCHEMA = "graphctl.capture/1"
-BUILTIN = "graphctl.models.mtp:capture_target"
+BUILTIN = "graphctl.cli.builtin:capture_target"
 
 
 def derive_buckets(max_batch: int) -> list[int]:

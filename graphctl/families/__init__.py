@@ -3,7 +3,7 @@ declared as data in :data:`FAMILIES`.
 
 What they model, and what they leave out. Each family declares the graph-static buffers of
 TensorRT-LLM's draft switch that carry the bug classes graphctl exists for (the tables of
-``shared/reference/trtllm.md`` §2): the swapped KV manager and block tables/offsets, the
+TensorRT-LLM's attention metadata): the swapped KV manager and block tables/offsets, the
 mutable lengths and their runtime view, the derived token map, positions, slot mappings and
 indptrs, pinned host mirrors, and ``Stable`` top-k scratch. Every buffer with a batch
 (``seq``) or token axis has a padding policy: lengths pad with zero (padded requests are empty),

@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 family (``shared/reference/trtllm.md`` §2.3), on DSA.
+"""The DeepSeek-V4 family (TensorRT-LLM's DeepSeek-V4 attention metadata), on DSA.
 
 Adds:
 

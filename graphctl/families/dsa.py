@@ -1,4 +1,4 @@
-"""The DSA family (``shared/reference/trtllm.md`` §2.2), on the TensorRT-LLM base.
+"""The DSA family (TensorRT-LLM's DSA sparse-attention metadata), on the TensorRT-LLM base.
 
 Adds:
 
@@ -19,11 +19,11 @@ import functools
 
 import torch
 
-from graphctl.families.paged import _cumsum, _page_and_offset
+from graphctl.families.paged import cumulative_lengths_, page_and_offset
 from graphctl.families.trtllm import TrtllmKVCacheManager, TrtllmMetadata, trtllm_spec
 from graphctl.state import CopyInPlace, Pad, Recompute, Stable, StateSpec, Swap
 
-__all__ = ["DSAKVCacheManager", "DSAMetadata", "dsa_spec", "INDEXER_HEAD_DIM"]
+__all__ = ["DSAKVCacheManager", "DSAMetadata", "dsa_spec", "INDEXER_HEAD_DIM", "expand_table_", "slot_mapping_fp8_"]
 
 INDEXER_HEAD_DIM = 128  # bytes of one fp8 indexer key; the scale follows the keys in each page
 
@@ -42,7 +42,7 @@ class DSAKVCacheManager(TrtllmKVCacheManager):
         return self._staged_indexer.clamp_(min=0)
 
 
-def _expand(out: torch.Tensor, table: torch.Tensor) -> None:
+def expand_table_(out: torch.Tensor, table: torch.Tensor) -> None:
     """Each sequence's row repeated once per token of a (1 + D)-token request."""
     per = out.shape[0] // table.shape[0]
     out.view(table.shape[0], per, table.shape[1]).copy_(table[:, None, :])
@@ -54,10 +54,10 @@ def _gen_cached(out: torch.Tensor, kv_lens: torch.Tensor, seq_lens: torch.Tensor
     torch.cumsum(torch.sub(kv_lens, seq_lens, out=s32[:n]), 0, out=out[1:])
 
 
-def _slot_fp8(out, token_positions, req_idx, offsets, s64, s32, *, block_size: int, scale_part: bool) -> None:
+def slot_mapping_fp8_(out, token_positions, req_idx, offsets, s64, s32, *, block_size: int, scale_part: bool) -> None:
     """Byte offset of each token's indexer key (or of its scale) through the bound offsets:
     pages of ``block_size`` keys of ``INDEXER_HEAD_DIM`` bytes, then their 4-byte scales."""
-    page, offset = _page_and_offset(offsets, token_positions, req_idx, block_size, s64, s32)
+    page, offset = page_and_offset(offsets, token_positions, req_idx, block_size, s64, s32)
     out.copy_(page).mul_(block_size * (INDEXER_HEAD_DIM + 4))
     if scale_part:
         out.add_(block_size * INDEXER_HEAD_DIM).add_(offset.mul_(4))
@@ -80,13 +80,13 @@ def dsa_spec(name: str = "dsa", *, block_size: int, base: StateSpec | None = Non
     inputs = ["token_positions", "req_idx_per_token", "indexer_k_cache_block_offsets", "scratch_i64", "scratch_i32"]
     for part, scale in (("fp8", False), ("scale", True)):
         spec.buffer(f"slot_mapping_{part}", shape=("T",), dtype=torch.int64, derive=Recompute(
-            inputs, functools.partial(_slot_fp8, block_size=block_size, scale_part=scale)))
+            inputs, functools.partial(slot_mapping_fp8_, block_size=block_size, scale_part=scale)))
     spec.buffer("block_table_expanded", shape=("TE", "B"), dtype=torch.int32, axis="token", pad=Pad.clamp(0),
                 readers={"target"},
                 draft=Swap(twin="draft_block_table_expanded"))
     spec.buffer("draft_block_table_expanded", shape=("TE", "B"), dtype=torch.int32, readers={"draft"},
-                derive=Recompute(["draft_block_table"], _expand))
-    spec.buffer("gen_kv_indptr", shape=("S1",), dtype=torch.int64, derive=Recompute(["kv_lens"], _cumsum))
+                derive=Recompute(["draft_block_table"], expand_table_))
+    spec.buffer("gen_kv_indptr", shape=("S1",), dtype=torch.int64, derive=Recompute(["kv_lens"], cumulative_lengths_))
     spec.buffer("gen_cached_token_indptr", shape=("S1",), dtype=torch.int64,
                 derive=Recompute(["kv_lens", "seq_lens", "scratch_i32"], _gen_cached))
     spec.buffer("topk_indices_buffer", shape=("T", "K"), dtype=torch.int32, draft=Stable())
@@ -108,7 +108,7 @@ class DSAMetadata(TrtllmMetadata):
         self.slot_mapping_scale = torch.zeros(T, dtype=torch.int64, device=dev)
         self.block_table_expanded = torch.zeros(T, B, dtype=torch.int32, device=dev)
         self.draft_block_table_expanded = torch.zeros(T, B, dtype=torch.int32, device=dev)
-        _expand(self.draft_block_table_expanded, self.draft_block_table)  # derived: consistent from the start
+        expand_table_(self.draft_block_table_expanded, self.draft_block_table)  # derived: consistent from the start
         self.gen_kv_indptr = torch.zeros(S + 1, dtype=torch.int64, device=dev)
         self.gen_cached_token_indptr = torch.zeros(S + 1, dtype=torch.int64, device=dev)
         self.topk_indices_buffer = torch.zeros(T, topk, dtype=torch.int32, device=dev)
@@ -120,5 +120,5 @@ class DSAMetadata(TrtllmMetadata):
         self.host_indexer_k_cache_block_offsets.copy_(self.indexer_k_cache_block_offsets)
         self.draft_indexer_k_cache_block_offsets.copy_(self.draft_kv_cache_manager.indexer_pool_indices())
         self.host_draft_indexer_k_cache_block_offsets.copy_(self.draft_indexer_k_cache_block_offsets)
-        _expand(self.block_table_expanded, self.block_table)
+        expand_table_(self.block_table_expanded, self.block_table)
         super().prepare(state, seq_lens, kv_lens)

@@ -25,7 +25,7 @@ import torch
 from graphctl import ops
 from graphctl.state import CopyInPlace, Pad, Recompute, Stable, StateSpec, Swap
 
-__all__ = ["KVCacheManager", "PagedMetadata", "PAGED_SPEC", "SCRATCH", "paged_spec"]
+__all__ = ["KVCacheManager", "PagedMetadata", "PAGED_SPEC", "SCRATCH", "paged_spec", "cumulative_lengths_", "token_map_", "positions_", "page_and_offset", "slot_mapping_"]
 
 # Stable scratch of the derived maps (never snapshotted; contents meaningless between calls
 # except token_index, the constant 0..T-1)
@@ -56,12 +56,12 @@ class KVCacheManager:
         return torch.clamp(self.block_ids, 0, self.num_blocks - 1, out=self._staged)
 
 
-def _cumsum(out: torch.Tensor, lens: torch.Tensor) -> None:
+def cumulative_lengths_(out: torch.Tensor, lens: torch.Tensor) -> None:
     out[0].zero_()
     torch.cumsum(lens, 0, out=out[1:])
 
 
-def _token_map(out: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def token_map_(out: torch.Tensor, seq_lens: torch.Tensor) -> None:
     # tokens past the batch map to len(seq_lens); readers clamp them onto a dead slot
     ops.token_to_request_(out, seq_lens, out.numel(), seq_lens.numel())
 
@@ -70,7 +70,7 @@ def _token_map(out: torch.Tensor, seq_lens: torch.Tensor) -> None:
 # temporary lives in the Stable scratch entries ``token_index`` (0..T-1), ``scratch_i64`` [3, T]
 # and ``scratch_i32`` [T], passed in as inputs.
 
-def _positions(out, seq_lens, kv_lens, req_idx, cu_seq_lens, token_index, s64, s32) -> None:
+def positions_(out, seq_lens, kv_lens, req_idx, cu_seq_lens, token_index, s64, s32) -> None:
     """Position of each token: its request's cached length plus its offset in the request."""
     r = s64[0].copy_(req_idx).clamp_(max=seq_lens.numel() - 1)
     out.copy_(torch.index_select(kv_lens, 0, r, out=s32))
@@ -79,7 +79,7 @@ def _positions(out, seq_lens, kv_lens, req_idx, cu_seq_lens, token_index, s64, s
     out.sub_(torch.index_select(cu_seq_lens, 0, r, out=s64[1]))
 
 
-def _page_and_offset(block_table, token_positions, req_idx, block_size, s64, s32):
+def page_and_offset(block_table, token_positions, req_idx, block_size, s64, s32):
     """(page of each token through ``block_table``, its offset in the page): s32 and s64[1]."""
     S, B = block_table.shape
     r = s64[0].copy_(req_idx).clamp_(max=S - 1)
@@ -89,9 +89,9 @@ def _page_and_offset(block_table, token_positions, req_idx, block_size, s64, s32
     return page, pos.remainder_(block_size)
 
 
-def _slots(out, block_table, token_positions, req_idx, s64, s32, *, block_size: int) -> None:
+def slot_mapping_(out, block_table, token_positions, req_idx, s64, s32, *, block_size: int) -> None:
     """KV slot of each token through the bound block table (padding tokens land in range)."""
-    page, offset = _page_and_offset(block_table, token_positions, req_idx, block_size, s64, s32)
+    page, offset = page_and_offset(block_table, token_positions, req_idx, block_size, s64, s32)
     out.copy_(page).mul_(block_size).add_(offset)
 
 
@@ -109,17 +109,17 @@ def paged_spec(name: str = "paged", *, block_size: int) -> StateSpec:
                 aliases=("kv_lens_runtime",))
     spec.buffer("host_seq_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), host=True, mutable=True)
     spec.buffer("host_kv_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), host=True, mutable=True)
-    spec.buffer("cu_seq_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(["seq_lens"], _cumsum))
-    spec.buffer("cu_kv_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(["kv_lens"], _cumsum))
-    spec.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, derive=Recompute(["seq_lens"], _token_map))
+    spec.buffer("cu_seq_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(["seq_lens"], cumulative_lengths_))
+    spec.buffer("cu_kv_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(["kv_lens"], cumulative_lengths_))
+    spec.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, derive=Recompute(["seq_lens"], token_map_))
     for name, shape, dtype in SCRATCH:
         spec.buffer(name, shape=shape, dtype=dtype, draft=Stable())
     spec.buffer("token_positions", shape=("T",), dtype=torch.int64, derive=Recompute(
         ["seq_lens", "kv_lens", "req_idx_per_token", "cu_seq_lens", "token_index", "scratch_i64", "scratch_i32"],
-        _positions))
+        positions_))
     spec.buffer("slot_mapping", shape=("T",), dtype=torch.int64, derive=Recompute(
         ["block_table", "token_positions", "req_idx_per_token", "scratch_i64", "scratch_i32"],
-        functools.partial(_slots, block_size=block_size)))
+        functools.partial(slot_mapping_, block_size=block_size)))
     return spec
 
 

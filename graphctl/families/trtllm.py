@@ -1,4 +1,4 @@
-"""The TensorRT-LLM-style base family (``shared/reference/trtllm.md`` §2.1), on the paged one.
+"""The TensorRT-LLM-style base family (TensorRT-LLM's ``TrtllmAttentionMetadata``), on the paged one.
 
 Adds to :mod:`graphctl.families.paged`:
 

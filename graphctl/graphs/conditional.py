@@ -1,6 +1,6 @@
 """A loop whose trip count the device decides: a CUDA conditional WHILE node spliced into the
-running torch capture (``../shared/reference/apis.md`` §2.4, verified on an H200 with torch
-2.11), or, outside a capture, a plain loop that reads the predicate on the host.
+running torch capture (``cudaStreamGetCaptureInfo`` and ``cudaStreamUpdateCaptureDependencies``,
+verified on an H200 with torch 2.11), or, outside a capture, a plain loop that reads the predicate on the host.
 
 Inside a capture, :meth:`DeviceLoop.run`:
 
@@ -106,7 +106,6 @@ class DeviceLoop:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.flag = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.nodes_spliced = 0
 
     def run(self, body: Callable[[], None], predicate: Callable[[torch.Tensor, int], None], max_iters: int) -> None:
         """Run ``body()`` then ``predicate(flag, handle)`` until the predicate says stop, at most
@@ -174,4 +173,3 @@ class DeviceLoop:
                        "the body to kernels and copies on its stream, or use mode='unrolled' or 'per_step'")
         _check_body(rt, body_graph)
         register_bodies(int(node), [int(body_graph)])  # so the audit and the census see the body's nodes
-        self.nodes_spliced += 1

@@ -49,9 +49,6 @@ class StaticInput:
     def of(cls, spec: "str | StaticInput") -> "StaticInput":
         return spec if isinstance(spec, StaticInput) else cls(spec)
 
-    def rows(self, t: torch.Tensor) -> int:
-        return t.shape[self.dim]
-
     def allocate(self, example: torch.Tensor, max_bucket: int) -> torch.Tensor:
         """The static buffer: ``example``'s dtype, device and other dims; ``max_bucket`` items."""
         if not isinstance(example, torch.Tensor):
@@ -148,10 +145,3 @@ class Buckets:
     def pick(self, n: int) -> int | None:
         return self._table[n] if 0 < n <= self.sizes[-1] else None
 
-    def coverage(self, batch_sizes: Sequence[int]) -> dict[int, list[int]]:
-        """Which of ``batch_sizes`` each bucket serves (``0`` collects the ones none serves)."""
-        out: dict[int, list[int]] = {b: [] for b in self.sizes}
-        out[0] = []
-        for n in batch_sizes:
-            out[self.pick(n) or 0].append(n)
-        return out

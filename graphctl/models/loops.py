@@ -19,6 +19,7 @@ With ``threshold=0`` every mode proposes the same tokens (``tests/engine``, ``te
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Sequence
 
 import torch
@@ -29,7 +30,7 @@ from graphctl.graphs import GraphRunner, StaticInput, graphed, select_backend
 from graphctl.graphs.conditional import DeviceLoop
 from graphctl.models.mtp import MTPEngine, StepOutput
 
-__all__ = ["MODES", "graphed_step", "DynamicDraft", "PerStepLoop", "draft_confidences", "expected_dynamic"]
+__all__ = ["MODES", "graphed_step", "dynamic_of", "DynamicDraft", "PerStepLoop", "draft_confidences", "expected_dynamic"]
 
 MODES = ("unrolled", "per_step", "device_loop")
 
@@ -143,10 +144,10 @@ class PerStepLoop:
         token = self.token[:b]
 
         def prefill(_mark=None) -> None:
-            eng._forward(ids, eng.draft_layers)
+            eng.run_layers(ids, eng.draft_layers)
 
         def step(_mark=None) -> None:
-            token.copy_(eng._forward(token, eng.draft_layers).argmax(-1))
+            token.copy_(eng.run_layers(token, eng.draft_layers).argmax(-1))
 
         be.warmup(prefill)
         p, _ = be.capture(prefill, self._pool, b)
@@ -216,7 +217,13 @@ def graphed_step(eng: MTPEngine, mode: str = "unrolled", *, buckets: Sequence[in
                            found=f"engine on {eng.device}, backend {backend!r}",
                            fix="run on a GPU, or use mode='unrolled' or 'per_step' (both run on the emulated backend)")
     dyn = DynamicDraft(eng, threshold)
-    runner = graphed(dyn.step, buckets=list(buckets), state=eng.state, backend=backend, inputs=inputs,
-                     progress=False, params={**eng.named_tensors(), **dyn.named_tensors()})
-    runner.dynamic = dyn
-    return runner
+    return graphed(dyn.step, buckets=list(buckets), state=eng.state, backend=backend, inputs=inputs,
+                   progress=False, params={**eng.named_tensors(), **dyn.named_tensors()})
+
+
+def dynamic_of(runner: Any) -> DynamicDraft:
+    """The :class:`DynamicDraft` behind a ``device_loop`` runner of :func:`graphed_step` (its
+    threshold and step counter live on the device: set one, read the other, no recapture)."""
+    if not (inspect.ismethod(runner.fn) and isinstance(runner.fn.__self__, DynamicDraft)):
+        raise TypeError(f"not a device_loop runner of graphed_step: its forward is {runner.fn!r}")
+    return runner.fn.__self__

@@ -87,7 +87,7 @@ class MTPEngine:
 
     def _shard_mlp(self, group: Any) -> None:
         """Tensor parallelism of the MLP: ``w1`` column-parallel, ``w2`` row-parallel, an
-        all-reduce after ``w2`` (in ``_forward``). Attention and the KV caches are replicated."""
+        all-reduce after ``w2`` (in ``run_layers``). Attention and the KV caches are replicated."""
         import torch.distributed as dist
 
         rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -114,7 +114,7 @@ class MTPEngine:
 
     # ----------------------------------------------------------------------- the model
 
-    def _forward(self, tokens: torch.Tensor, layers: Sequence[_Layer]) -> torch.Tensor:
+    def run_layers(self, tokens: torch.Tensor, layers: Sequence[_Layer]) -> torch.Tensor:
         """Logits for ``tokens`` laid out by the metadata's current maps; writes their K/V into
         the cache of the *bound* ``kv_cache_manager`` (the draft's inside a draft switch)."""
         m, bs = self.meta, self.cfg.block_size
@@ -154,7 +154,7 @@ class MTPEngine:
         """Target forward and greedy acceptance: accepted lengths and bonus tokens, on the device."""
         k = self.k
         n = input_ids.shape[0] // (k + 1)
-        best = self._forward(input_ids, self.target_layers).argmax(-1).view(n, k + 1)
+        best = self.run_layers(input_ids, self.target_layers).argmax(-1).view(n, k + 1)
         drafts_in = input_ids.view(n, k + 1)[:, 1:]
         accepted = 1 + (drafts_in == best[:, :-1]).long().cumprod(1).sum(1)
         return accepted, best.gather(1, (accepted - 1)[:, None])[:, 0]
@@ -175,7 +175,7 @@ class MTPEngine:
         """The step's k+1 tokens into the draft KV cache, then the layout of one token a
         request; returns each request's ``kv_lens`` for the first draft step (the bonus token
         sits at context + accepted)."""
-        self._forward(input_ids, self.draft_layers)
+        self.run_layers(input_ids, self.draft_layers)
         return self.draft_layout(accepted, write)
 
     def draft_layout(self, accepted: torch.Tensor, write: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
@@ -190,7 +190,7 @@ class MTPEngine:
                    write: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
         """One draft step at one token a request: the draft head's logits for ``token``."""
         write("kv_lens", kv_lens.to(self.meta.kv_lens.dtype))
-        return self._forward(token, self.draft_layers)
+        return self.run_layers(token, self.draft_layers)
 
     # ------------------------------------------------------------------- host-side loop
 
@@ -206,9 +206,9 @@ class MTPEngine:
             seq = (lens > i).to(torch.int32)
             kv = torch.minimum(lens, torch.full_like(lens, i + 1)).to(torch.int32)
             m.prepare(self.state, seq, kv)
-            logits = self._forward(tokens, self.target_layers)
+            logits = self.run_layers(tokens, self.target_layers)
             with self.state.switch("draft"):
-                self._forward(tokens, self.draft_layers)
+                self.run_layers(tokens, self.draft_layers)
             last = (lens[active] == i + 1).to(self.device)
             first[active.to(self.device)[last]] = logits.argmax(-1)[last]
         return first
@@ -239,21 +239,3 @@ class MTPEngine:
             context = context + accepted.to(torch.int32)
             token, drafts = out.bonus.clone(), out.drafts.clone()
         return history
-
-
-def capture_target(*, device: str = "cpu", max_batch: int = 64, draft_len: int = 3, seed: int = 0, **_: object):
-    """The built-in target of ``graphctl capture``: one decode step of the reference engine
-    (target forward, acceptance, k draft steps in the draft role) for up to ``max_batch``
-    requests of ``draft_len + 1`` tokens, metadata prepared for ``max_batch`` requests."""
-    from graphctl.cli.target import CaptureTarget
-    from graphctl.graphs import StaticInput
-
-    eng = MTPEngine(EngineConfig(draft_len=draft_len, max_seqs=max_batch, seed=seed), device=device)
-    g = torch.Generator().manual_seed(seed)
-    k1 = draft_len + 1
-    eng.meta.prepare(eng.state, torch.full((max_batch,), k1, dtype=torch.int32),
-                     torch.randint(k1, max(k1 + 1, eng.cfg.max_context - 2 * k1), (max_batch,), generator=g, dtype=torch.int32))
-    ids = torch.randint(0, eng.cfg.vocab, (max_batch * k1,), generator=g).to(eng.device)
-    return CaptureTarget(forward=eng.step, example=(ids, eng.meta), state=eng.state,
-                         inputs=(StaticInput("input_ids", per_item=k1),), params=eng.named_tensors(),
-                         name=f"MTPEngine.step (k={draft_len})")

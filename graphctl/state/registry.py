@@ -30,9 +30,6 @@ class Registry:
         self._specs[cls] = spec
         return spec
 
-    def unregister(self, cls: type) -> None:
-        self._specs.pop(cls, None)
-
     def lookup(self, cls: type) -> StateSpec:
         for klass in cls.__mro__:
             spec = self._specs.get(klass)

@@ -76,14 +76,14 @@ def test_target_kernel_touching_a_refreshed_buffer_cuda(gen):
 
 def test_stale_derived_buffer_named_cuda(gen):
     # Regression: TensorRT-LLM #16925, req_idx_per_token built for k+1 tokens/request reused at 1 in the draft loop.
-    from graphctl.families.paged import _token_map, paged_spec
+    from graphctl.families.paged import token_map_, paged_spec
     from graphctl.models import EngineConfig, MTPEngine
     from graphctl import Recompute, StateSpec
 
     holder: dict = {}
     spec = StateSpec("paged-stale-map", extends=paged_spec(block_size=8))
     spec.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, override=True,
-                derive=Recompute(["kv_cache_manager"], lambda out, _m: _token_map(out, holder["meta"].seq_lens)
+                derive=Recompute(["kv_cache_manager"], lambda out, _m: token_map_(out, holder["meta"].seq_lens)
                                      if "meta" in holder else out.zero_()))  # bind computes it before holder is set
     eng = MTPEngine(EngineConfig(draft_len=3, max_seqs=8), spec=spec, device="cuda")
     holder["meta"] = eng.meta

@@ -10,7 +10,7 @@ import torch
 import graphctl
 from graphctl import CaptureError, StaticInput
 from graphctl.graphs.conditional import DeviceLoop
-from graphctl.models import DynamicDraft, draft_confidences, expected_dynamic, graphed_step
+from graphctl.models import DynamicDraft, draft_confidences, dynamic_of, expected_dynamic, graphed_step
 from enginecases import acceptance, dynamic_setup, thresholds, trace
 
 pytestmark = pytest.mark.cuda
@@ -33,7 +33,7 @@ def test_device_loop_graph_stops_where_its_reference_says(gen):
     eng, ids = dynamic_setup(k=k, bs=bs, seed=seed, device="cuda")
     drafts, conf = draft_confidences(eng, ids.cuda())
     f = graphed_step(eng, "device_loop", buckets=(8,), backend="cuda")
-    dyn = f.dynamic
+    dyn = dynamic_of(f)
     f(ids.cuda(), eng.meta)  # capture at threshold 0
     census = f.census(8)
     assert census["types"].get("conditional") == 1, census

@@ -7,7 +7,7 @@ import torch
 
 import graphctl
 from graphctl import CopyInPlace, DeclarationError, Recompute, StaleBufferError, StaticInput, StateSpec
-from graphctl.families.paged import _token_map, paged_spec
+from graphctl.families.paged import token_map_, paged_spec
 from graphctl.models import EngineConfig, MTPEngine
 from enginecases import STEPS, acceptance
 
@@ -16,7 +16,7 @@ def _stale_map_spec(holder: dict) -> StateSpec:
     # req_idx_per_token declared with the wrong input: it reads seq_lens behind graphctl's back
     spec = StateSpec("paged-stale-map", extends=paged_spec(block_size=8))
     spec.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, override=True,
-                derive=Recompute(["kv_cache_manager"], lambda out, _mgr: _token_map(out, holder["meta"].seq_lens)
+                derive=Recompute(["kv_cache_manager"], lambda out, _mgr: token_map_(out, holder["meta"].seq_lens)
                                  if "meta" in holder else out.zero_()))  # bind computes it before holder is set
     return spec
 

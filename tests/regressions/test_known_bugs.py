@@ -1,4 +1,4 @@
-"""Regression tests for the bug classes graphctl exists to make impossible (shared/DESIGN.md §1)."""
+"""Regression tests for the bug classes graphctl exists to make impossible (docs/architecture.md)."""
 from __future__ import annotations
 
 import pytest

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import graphctl
 from graphctl.families import FAMILIES, make_family, not_supported_reasons
-from graphctl.families.dsa import _expand, _slot_fp8
+from graphctl.families.dsa import expand_table_, slot_mapping_fp8_
 from graphctl.testing import Case, GraphMachine, SwitchMachine
 
 
@@ -86,11 +86,11 @@ def test_dsa_slot_mappings_follow_the_bound_indexer_offsets(gen):
         assert torch.equal(offsets, meta.draft_kv_cache_manager.indexer_pool_indices())  # refreshed
         for part, scale in (("fp8", False), ("scale", True)):
             want = torch.empty_like(meta.slot_mapping_fp8)
-            _slot_fp8(want, meta.token_positions, meta.req_idx_per_token, offsets, meta.scratch_i64,
+            slot_mapping_fp8_(want, meta.token_positions, meta.req_idx_per_token, offsets, meta.scratch_i64,
                       meta.scratch_i32, block_size=8, scale_part=scale)
             assert torch.equal(getattr(meta, f"slot_mapping_{part}"), want), part
         want = torch.empty_like(meta.draft_block_table_expanded)
-        _expand(want, meta.draft_block_table)
+        expand_table_(want, meta.draft_block_table)
         assert meta.block_table_expanded is meta.draft_block_table_expanded and torch.equal(meta.block_table_expanded,
                                                                                            want)
         assert not torch.equal(meta.slot_mapping_fp8, target_fp8)  # the draft's pages differ from the target's

@@ -93,7 +93,7 @@ def test_side_effects_error_names_the_cache_tensors_and_the_transformers_line():
 
 def test_a_compiled_model_decode_under_graphed_equals_eager():
     # Issue 15: a decode step of a torch.compile'd model under @graphed (on the CPU through aot_eager: inductor's
-    # C++ kernels are invisible to the dispatcher-level recorder, see shared/reference/transformers.md).
+    # C++ kernels are invisible to the dispatcher-level recorder, it sees their graph's inputs only).
     cfg, model = _model()
     cache, ref = _prefilled(cfg, model), _prefilled(cfg, model)
     kw = _cache_kw()

@@ -3,7 +3,7 @@
 torch's ``with torch.cuda.graph(g)`` always calls ``capture_end`` in ``__exit__``, so a body
 that raised leaves a replayable partial graph, and a body that synchronised surfaces
 ``cudaErrorStreamCaptureInvalidated`` instead of its own error and leaves the CUDA RNG in
-capture mode (``../shared/reference/apis.md`` §1.4). This backend calls ``capture_begin`` and
+capture mode (torch's ``graphs.py``, seen on torch 2.11). This backend calls ``capture_begin`` and
 ``capture_end`` itself:
 
 - preconditions are checked *before* ``capture_begin`` (a non-default stream, no capture
@@ -36,7 +36,6 @@ class _NodeOrder:
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         self.stream, self.order, self._seen = stream, [], set()
-        self.exact = True
 
     def _add(self, handles: list[int]) -> None:
         for h in handles:
@@ -47,7 +46,6 @@ class _NodeOrder:
     def mark(self) -> int:
         handles = capturing_nodes(self.stream)
         if handles is None:
-            self.exact = False
             return -1
         self._add(handles)
         return len(self.order)
@@ -57,7 +55,7 @@ class _NodeOrder:
         if final is None:
             return []
         if not self._seen <= set(final):  # handles changed at capture end: keep the driver's order
-            self.exact, self.order, self._seen = False, [], set()
+            self.order, self._seen = [], set()
         self._add(final)
         return self.order
 
@@ -96,10 +94,6 @@ class CudaGraph:
 
     def replay(self) -> None:
         self._graph.replay()
-
-    @property
-    def raw(self) -> torch.cuda.CUDAGraph:
-        return self._graph
 
 
 class CudaBackend:
