@@ -2,6 +2,7 @@
 #   make demo   - create .venv, build graphctl (with CUDA kernels when possible), run the main job:
 #                 graphctl capture --verify --audit on the built-in reference engine
 #   make test   - create .venv, build graphctl, run the test suite
+#   make lint   - the linters CI runs (ruff, mypy on state/ and ops/, clang-format on csrc/)
 # Everything is installed from pyproject.toml, the one list of dependencies: first its build
 # requirements (torch among them), then graphctl itself, editable, with the dev extra, built
 # against that torch (no build isolation). setup.py finds the CUDA toolkit itself.
@@ -15,7 +16,7 @@ export MAX_JOBS ?= 2
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 export PIP_ROOT_USER_ACTION = ignore
 
-.PHONY: demo example test test-cuda build venv info clean
+.PHONY: demo example test test-cuda lint build venv info clean
 
 $(VENV)/.deps: pyproject.toml scripts/build-requires.py
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +46,12 @@ example: build
 test: build
 	$(PY) -m pytest tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+# ruff (pyflakes, pycodestyle, bugbear, isort, pyupgrade), mypy on state/ and ops/, clang-format on csrc/
+lint: build
+	$(VENV)/bin/ruff check graphctl tests bench examples scripts setup.py
+	$(VENV)/bin/mypy
+	$(VENV)/bin/clang-format --dry-run --Werror csrc/*.cpp csrc/*.h csrc/cuda/*.cu
 
 test-cuda: build
 	$(PY) -m pytest tests/cuda -v

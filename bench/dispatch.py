@@ -11,7 +11,8 @@ at each batch size, side by side in one run:
       frozen-argument check, replay, output slice).
 
 Each is timed as back-to-back calls (what a decode loop does) with one synchronize at the end,
-``--reps`` rounds of ``--calls`` calls, the variants interleaved round by round, median per call. The target is (c)/(b) <= 1.3.
+``--reps`` rounds of ``--calls`` calls, the variants interleaved round by round, median per call.
+The target is (c)/(b) <= 1.3.
 
     python bench/dispatch.py [--reps 30] [--calls 200] [--json out.json]
 """

@@ -59,8 +59,15 @@ class HandWritten:
             cumulative_lengths_(m.cu_kv_lens, m.kv_lens)
         positions_(m.token_positions, m.seq_lens, m.kv_lens, m.req_idx_per_token, m.cu_seq_lens, m.token_index,
                    m.scratch_i64, m.scratch_i32)
-        slot_mapping_(m.slot_mapping, m.block_table, m.token_positions, m.req_idx_per_token, m.scratch_i64, m.scratch_i32,
-               block_size=bs)
+        slot_mapping_(
+            m.slot_mapping,
+            m.block_table,
+            m.token_positions,
+            m.req_idx_per_token,
+            m.scratch_i64,
+            m.scratch_i32,
+            block_size=bs,
+        )
 
     def _write(self, name: str, value: torch.Tensor) -> None:
         buf = getattr(self.m, name)

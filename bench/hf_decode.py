@@ -176,7 +176,9 @@ def main(argv=None) -> int:
         return 0
     res = run(args.sizes, args.steps, args.layers)
     print(f"hf_decode: {res['gpu']}, torch {res['torch']}, Llama ~1.1B bf16 ({res['layers']} layers), median us a step")
-    print(f"{'bs':>4} {'eager':>9} {'graphctl':>9} {'hand':>9} {'gc/hand':>8} {'eager/gc':>9} {'equal':>6} {'effects':>8}")
+    print(
+        f"{'bs':>4} {'eager':>9} {'graphctl':>9} {'hand':>9} {'gc/hand':>8} {'eager/gc':>9} {'equal':>6} {'effects':>8}"
+    )
     for r in res["rows"]:
         print(f"{r['bs']:>4} {r['eager_us']:>9.1f} {r['graphctl_us']:>9.1f} {r['hand_us']:>9.1f} "
               f"{r['gc_over_hand']:>7.3f}x {r['eager_over_gc']:>8.2f}x {str(r['equal_graphctl']):>6} "

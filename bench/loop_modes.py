@@ -30,8 +30,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from draft_loop import latencies_us  # noqa: E402  (the interleaved timer both benchmarks share)
 
-from graphctl.models import (MODES, EngineConfig, MTPEngine, draft_confidences, dynamic_of,  # noqa: E402
-                             expected_dynamic, graphed_step)
+from graphctl.models import (  # noqa: E402
+    MODES,
+    EngineConfig,
+    MTPEngine,
+    draft_confidences,
+    dynamic_of,
+    expected_dynamic,
+    graphed_step,
+)
 
 
 def expected_steps(conf: torch.Tensor, t: float) -> int:

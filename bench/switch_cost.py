@@ -264,8 +264,11 @@ def main():
     for r in rows:
         t.add_row(*(f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
     con.print(t)
-    con.print(f"bandwidth, {bw['total_mib']} MiB in {bw['buffers']} buffers: swap_through_ {bw['swap_through_GBps']:.0f} "
-              f"GB/s vs copy_ {bw['copy_GBps']:.0f} GB/s (graphctl copy_ {bw['graphctl_copy_GBps']:.0f} GB/s) (ratio {bw['ratio']:.3f}; bytes counted: reads + writes)")
+    con.print(
+        f"bandwidth, {bw['total_mib']} MiB in {bw['buffers']} buffers: swap_through_ {bw['swap_through_GBps']:.0f} "
+        f"GB/s vs copy_ {bw['copy_GBps']:.0f} GB/s (graphctl copy_ {bw['graphctl_copy_GBps']:.0f} GB/s) "
+        f"(ratio {bw['ratio']:.3f}; bytes counted: reads + writes)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hardware": hw, "rows": rows, "bandwidth": bw}, f, indent=2)

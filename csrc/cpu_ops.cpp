@@ -15,7 +15,9 @@ namespace {
 // on all intra-op threads; small ones are one memcpy on the calling thread (no dispatch).
 constexpr int64_t kThreadedBytes = 1 << 20;
 
-at::Tensor flat_bytes(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
+at::Tensor flat_bytes(const at::Tensor& t) {
+  return t.reshape({-1}).view(at::kByte);
+}
 
 void copy_bytes(const at::Tensor& dst, const at::Tensor& src, int64_t n) {
   if (n >= kThreadedBytes) {
@@ -25,19 +27,13 @@ void copy_bytes(const at::Tensor& dst, const at::Tensor& src, int64_t n) {
   }
 }
 
-void check_cpu(at::TensorList l, const char* op) {
-  for (const auto& t : l) {
-    TORCH_CHECK(t.device().is_cpu(), "graphctl::", op, " CPU kernel got a tensor on ", t.device());
-  }
-}
-
 void swap_through_cpu(at::TensorList stat, at::TensorList arena, at::TensorList source) {
   check_lists("swap_through_", stat, "static", arena, "arena");
   check_lists("swap_through_", stat, "static", source, "source");
-  check_cpu(stat, "swap_through_");
+  check_on(stat, "swap_through_", c10::DeviceType::CPU, "");
   check_swap_overlaps(stat, arena, source);  // before any write: a failure leaves every buffer untouched
   for (size_t i = 0; i < stat.size(); ++i) {
-    int64_t n = stat[i].numel() * stat[i].element_size();
+    int64_t n = nbytes(stat[i]);
     if (n == 0) continue;
     copy_bytes(arena[i], stat[i], n);
     if (source[i].const_data_ptr() != stat[i].const_data_ptr()) copy_bytes(stat[i], source[i], n);
@@ -46,16 +42,16 @@ void swap_through_cpu(at::TensorList stat, at::TensorList arena, at::TensorList 
 
 void copy_cpu(at::TensorList dst, at::TensorList src) {
   check_lists("copy_", dst, "dst", src, "src");
-  check_cpu(dst, "copy_");
+  check_on(dst, "copy_", c10::DeviceType::CPU, "");
   for (size_t i = 0; i < dst.size(); ++i) {
-    int64_t n = dst[i].numel() * dst[i].element_size();
+    int64_t n = nbytes(dst[i]);
     if (n == 0 || dst[i].data_ptr() == src[i].const_data_ptr()) continue;
     copy_bytes(dst[i], src[i], n);
   }
 }
 
 at::Tensor fingerprint_cpu(at::TensorList bufs) {
-  check_cpu(bufs, "fingerprint");
+  check_on(bufs, "fingerprint", c10::DeviceType::CPU, "");
   at::Tensor out = at::empty({static_cast<int64_t>(bufs.size())}, at::TensorOptions().dtype(at::kLong));
   auto* o = out.data_ptr<int64_t>();
   for (size_t b = 0; b < bufs.size(); ++b) {
@@ -90,7 +86,8 @@ void token_to_request_impl(O* out, int64_t out_n, const S* lens, int64_t n_seq, 
 void loop_condition_cpu(at::Tensor& flag, const at::Tensor& counter, int64_t limit, const at::Tensor& active,
                         int64_t handle) {
   TORCH_CHECK(flag.device().is_cpu(), "graphctl::loop_condition_ CPU kernel got flag on ", flag.device());
-  TORCH_CHECK(handle == 0, "graphctl::loop_condition_: a conditional handle needs a CUDA graph; on the CPU pass "
+  TORCH_CHECK(handle == 0,
+              "graphctl::loop_condition_: a conditional handle needs a CUDA graph; on the CPU pass "
               "handle=0 (flag only)");
   check_loop_condition(flag, counter, active);
   const bool* a = active.const_data_ptr<bool>();

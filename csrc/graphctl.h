@@ -1,5 +1,5 @@
-// Shared declarations of graphctl._C: argument checks used by every backend and the
-// fingerprint mixing function, which must be bit-identical on CPU, CUDA and in the
+// Shared declarations of graphctl._C: the byte count, the argument checks used by every
+// backend (checks.cpp) and the fingerprint mixing function, which must be bit-identical on CPU, CUDA and in the
 // pure-PyTorch reference (graphctl/ops/reference.py).
 #pragma once
 
@@ -27,15 +27,25 @@ GRAPHCTL_HD uint64_t mix64(uint64_t x) {
 // Contribution of 8-byte little-endian word `w` at word index `i` to a buffer's
 // fingerprint. The fingerprint is mix64(nbytes) + sum_i term(i, w_i) mod 2^64, so it can be
 // reduced in any order (one CUDA launch, parallel over words) and still depends on position.
-GRAPHCTL_HD uint64_t fingerprint_term(uint64_t i, uint64_t w) { return mix64(w ^ mix64(i + 1)); }
+GRAPHCTL_HD uint64_t fingerprint_term(uint64_t i, uint64_t w) {
+  return mix64(w ^ mix64(i + 1));
+}
 
-// Byte length of a dense buffer. Every op here works on raw bytes, so any dtype mix works.
-inline int64_t dense_nbytes(const at::Tensor& t, const char* op, const char* arg, size_t idx) {
-  TORCH_CHECK(t.is_contiguous(), "graphctl::", op, ": ", arg, "[", idx,
-              "] must be contiguous (found sizes ", t.sizes(), ", strides ", t.strides(),
-              "); static buffers are validated contiguous at bind time");
+// The one byte count of a buffer: every op here works on raw bytes, so any dtype mix works.
+inline int64_t nbytes(const at::Tensor& t) {
   return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
 }
+
+// nbytes of a buffer that must be dense (contiguous), checked first.
+inline int64_t dense_nbytes(const at::Tensor& t, const char* op, const char* arg, size_t idx) {
+  TORCH_CHECK(t.is_contiguous(), "graphctl::", op, ": ", arg, "[", idx, "] must be contiguous (found sizes ", t.sizes(),
+              ", strides ", t.strides(), "); static buffers are validated contiguous at bind time");
+  return nbytes(t);
+}
+
+// Every tensor of `l` is on a device of `type` (`hint` ends the message: what to do instead).
+// The checks below live in checks.cpp.
+void check_on(at::TensorList l, const char* op, c10::DeviceType type, const char* hint);
 
 // Checks shared by swap_through_ and copy_: equal list lengths, equal byte sizes per index,
 // one device for the whole call (the state layer groups buffers per device).

@@ -3,9 +3,19 @@ capture and replay of speculative-decoding draft forwards.
 
 The public surface is exactly ``__all__``; everything else is internal."""
 from graphctl import knobs, ops
-from graphctl.errors import (BindError, CaptureError, ConcurrentUseError, CorruptedStateError, DeclarationError, GraphctlError,
-                             NestedSwitchError, ReplayError, StaleBufferError, SwitchError)
 from graphctl.cli.target import CaptureTarget
+from graphctl.errors import (
+                             BindError,
+                             CaptureError,
+                             ConcurrentUseError,
+                             CorruptedStateError,
+                             DeclarationError,
+                             GraphctlError,
+                             NestedSwitchError,
+                             ReplayError,
+                             StaleBufferError,
+                             SwitchError,
+)
 from graphctl.graphs import GraphRunner, Report, StaticInput, graphed
 from graphctl.state import BoundState, CopyInPlace, Pad, Recompute, Registry, Stable, StateSpec, Swap, bind, register
 

@@ -95,7 +95,7 @@ class CaptureError(GraphctlError):
     bucket; ``where`` is the user's ``file:line`` for an operation illegal under capture."""
 
     @classmethod
-    def from_body(cls, bucket: int, exc: BaseException) -> "CaptureError":
+    def from_body(cls, bucket: int, exc: BaseException) -> CaptureError:
         """The error a capture raises when the forward itself raised (chain ``exc`` as cause)."""
         return cls(f"the forward raised while bucket {bucket} was being captured; the partial graph was dropped "
                    "and every switch opened in it restored", expected="a forward that completes",

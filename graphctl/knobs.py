@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 __all__ = ["KNOBS", "Knob", "knobs", "scope", "markdown_table"]
 

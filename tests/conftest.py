@@ -1,5 +1,7 @@
 """Shared test configuration: the hypothesis profile (graphctl/testing/profiles.py, selected
-by GRAPHCTL_HYPOTHESIS_PROFILE, see docs/knobs.md) and the CUDA skip for tests/cuda."""
+by GRAPHCTL_HYPOTHESIS_PROFILE, see docs/knobs.md), the ``cuda`` marker (skipped without a CUDA
+device; every test under tests/cuda carries it) and the ``backend`` fixture (emulated, and CUDA
+graphs where a device exists): one scenario, each graph backend."""
 from __future__ import annotations
 
 import pytest
@@ -12,12 +14,27 @@ load()
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # a test in tests/cuda needs the device whether or not its file says so
+        if "tests/cuda" in str(item.fspath).replace("\\", "/") and item.get_closest_marker("cuda") is None:
+            item.add_marker(pytest.mark.cuda)
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run tests/cuda on the GPU machine: scripts/device-check)")
+    skip = pytest.mark.skip(reason="needs a CUDA device (run `-m cuda` on the GPU machine: scripts/device-check)")
     for item in items:
-        if "tests/cuda" in str(item.fspath).replace("\\", "/"):
+        if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["emulated", pytest.param("cuda", marks=pytest.mark.cuda)])
+def backend(request) -> str:
+    """A graph backend: every test taking it runs on the emulated recorder (CPU) and on CUDA graphs."""
+    return request.param
+
+
+@pytest.fixture
+def device(backend: str) -> str:
+    """The device the ``backend`` fixture's graphs run on."""
+    return "cuda" if backend == "cuda" else "cpu"
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "../graphctl.h"
 
@@ -19,19 +20,23 @@ namespace graphctl {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kVec = 16;                             // bytes per vector access
-constexpr int kUnroll = 4;                           // vectors in flight per thread
+constexpr int kVec = 16;                              // bytes per vector access
+constexpr int kUnroll = 4;                            // vectors in flight per thread
 constexpr int64_t kTile = kThreads * kVec * kUnroll;  // 16 KiB of each buffer per block step
 // Up to 32764 bytes of kernel parameters (CUDA >= 12.1, Volta+) at 40 bytes an entry. Two
 // table sizes so a typical switch (tens of buffers) does not ship 30 KB of parameters per launch.
 constexpr int kSmallEntries = 64;
 constexpr int kMaxEntries = 768;
 
+// One buffer of a launch. Each field means one thing in every op.
 struct Entry {
-  char* dst;         // swap: arena; copy: dst
-  char* mid;         // swap: static; copy: src
-  const char* src;   // swap: source (== mid for snapshot only); copy: unused
-  int64_t nbytes;
+  // The buffer read first: the static (swap_through_), the source (copy_), the buffer (fingerprint).
+  const char* from;
+  // Where `from`'s bytes go: the arena (swap_through_), the destination (copy_); unused by fingerprint.
+  char* to;
+  // swap_through_ only: written over `from` once read (nullptr: a snapshot only, nothing refilled).
+  const char* refill;
+  int64_t nbytes;      // the buffer's byte count
   int64_t tile_start;  // first tile of this entry in the launch
 };
 
@@ -49,25 +54,29 @@ __device__ __forceinline__ int find_entry(const Table<N>& t, int64_t tile) {
   int lo = 0, hi = t.n - 1;  // last entry with tile_start <= tile
   while (lo < hi) {
     int mid = (lo + hi + 1) >> 1;
-    if (t.e[mid].tile_start <= tile) lo = mid; else hi = mid - 1;
+    if (t.e[mid].tile_start <= tile)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
 
-// kSwap: dst = mid; mid = src (skipped when src == mid). Otherwise: dst = mid (a copy).
-// Each byte is read and written by exactly one thread, so snapshot and apply cannot race.
+// to = from; then, with kSwap and a refill, from = refill. Each byte is read and written by exactly
+// one thread, so snapshot and apply cannot race.
 template <bool kSwap, int N>
 __global__ void __launch_bounds__(kThreads) swap_copy_kernel(const __grid_constant__ Table<N> t) {
   for (int64_t tile = blockIdx.x; tile < t.total_tiles; tile += gridDim.x) {
     const Entry& e = t.e[find_entry(t, tile)];
     const int64_t off = (tile - e.tile_start) * kTile;
     const int64_t len = min(kTile, e.nbytes - off);
-    char* dst = e.dst + off;
-    char* mid = e.mid + off;
-    const char* src = e.src + off;
-    const bool apply = kSwap && e.src != e.mid;
+    char* dst = e.to + off;
+    char* mid = const_cast<char*>(e.from) + off;  // written only when refilled (swap_through_'s static)
+    const bool apply = kSwap && e.refill != nullptr;
+    const char* src = apply ? e.refill + off : nullptr;
     const bool aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(mid) |
-                           (apply ? reinterpret_cast<uintptr_t>(src) : 0)) % kVec) == 0;
+                           (apply ? reinterpret_cast<uintptr_t>(src) : 0)) %
+                          kVec) == 0;
     int64_t done = 0;
     if (aligned) {
       const int64_t nvec = len / kVec;
@@ -86,8 +95,10 @@ __global__ void __launch_bounds__(kThreads) swap_copy_kernel(const __grid_consta
         if (i < nvec) {
           // The arena is read again only by the restore: stream it past L2 (evict-first) so the
           // static buffers, which the next kernels read, keep the cache.
-          if (kSwap) __stcs(reinterpret_cast<uint4*>(dst) + i, a[k]);
-          else reinterpret_cast<uint4*>(dst)[i] = a[k];
+          if (kSwap)
+            __stcs(reinterpret_cast<uint4*>(dst) + i, a[k]);
+          else
+            reinterpret_cast<uint4*>(dst)[i] = a[k];
           if (apply) reinterpret_cast<uint4*>(mid)[i] = b[k];
         }
       }
@@ -103,14 +114,14 @@ __global__ void __launch_bounds__(kThreads) swap_copy_kernel(const __grid_consta
 }
 
 template <int N>
-__global__ void __launch_bounds__(kThreads) fingerprint_kernel(const __grid_constant__ Table<N> t, uint64_t* out,
-                                                               int base) {
+__global__ void __launch_bounds__(kThreads)
+    fingerprint_kernel(const __grid_constant__ Table<N> t, uint64_t* out, int base) {
   for (int64_t tile = blockIdx.x; tile < t.total_tiles; tile += gridDim.x) {
     const int idx = find_entry(t, tile);
     const Entry& e = t.e[idx];
     const int64_t off = (tile - e.tile_start) * kTile;  // multiple of 8: word indices stay global
     const int64_t len = e.nbytes > off ? min(kTile, e.nbytes - off) : 0;
-    const unsigned char* p = reinterpret_cast<const unsigned char*>(e.mid) + off;
+    const unsigned char* p = reinterpret_cast<const unsigned char*>(e.from) + off;
     const bool aligned8 = (reinterpret_cast<uintptr_t>(p) % 8) == 0;
     uint64_t acc = (off == 0 && threadIdx.x == 0) ? mix64(static_cast<uint64_t>(e.nbytes)) : 0;
     for (int64_t w = threadIdx.x; w * 8 < len; w += kThreads) {
@@ -150,10 +161,7 @@ int grid_for(int64_t tiles) {
 }
 
 void check_cuda(at::TensorList l, const char* op) {
-  for (const auto& t : l) {
-    TORCH_CHECK(t.is_cuda(), "graphctl::", op, " CUDA kernel got a tensor on ", t.device(),
-                "; call once per device (host buffers go through the CPU kernel)");
-  }
+  check_on(l, op, c10::DeviceType::CUDA, "; call once per device (host buffers go through the CPU kernel)");
 }
 
 // Fill tables of at most N entries and launch each: one launch for up to kMaxEntries buffers.
@@ -195,10 +203,11 @@ void swap_through_cuda(at::TensorList stat, at::TensorList arena, at::TensorList
   for_each_table(
       stat.size(), false,
       [&](size_t i, Entry& e) {
-        e.dst = static_cast<char*>(arena[i].data_ptr());
-        e.mid = static_cast<char*>(stat[i].data_ptr());
-        e.src = static_cast<const char*>(source[i].const_data_ptr());
-        e.nbytes = stat[i].numel() * stat[i].element_size();
+        e.from = static_cast<const char*>(stat[i].data_ptr());
+        e.to = static_cast<char*>(arena[i].data_ptr());
+        const char* src = static_cast<const char*>(source[i].const_data_ptr());
+        e.refill = src == e.from ? nullptr : src;  // the static itself as source: a snapshot only
+        e.nbytes = nbytes(stat[i]);
       },
       [&](const auto& t, int) {
         swap_copy_kernel<true, std::decay_t<decltype(t)>::kN><<<grid_for(t.total_tiles), kThreads, 0, stream>>>(t);
@@ -212,13 +221,19 @@ void copy_cuda(at::TensorList dst, at::TensorList src) {
   check_cuda(dst, "copy_");
   c10::cuda::CUDAGuard guard(dst[0].device());
   auto stream = c10::cuda::getCurrentCUDAStream();
+  std::vector<size_t> moved;  // a buffer copied onto itself moves nothing: left out of the launch
+  moved.reserve(dst.size());
+  for (size_t i = 0; i < dst.size(); ++i) {
+    if (dst[i].data_ptr() != src[i].const_data_ptr()) moved.push_back(i);
+  }
   for_each_table(
-      dst.size(), false,
-      [&](size_t i, Entry& e) {
-        e.dst = static_cast<char*>(dst[i].data_ptr());
-        e.mid = const_cast<char*>(static_cast<const char*>(src[i].const_data_ptr()));  // read only in copy mode
-        e.src = e.mid;
-        e.nbytes = dst[i].data_ptr() == src[i].const_data_ptr() ? 0 : dst[i].numel() * dst[i].element_size();
+      moved.size(), false,
+      [&](size_t j, Entry& e) {
+        size_t i = moved[j];
+        e.from = static_cast<const char*>(src[i].const_data_ptr());
+        e.to = static_cast<char*>(dst[i].data_ptr());
+        e.refill = nullptr;
+        e.nbytes = nbytes(dst[i]);
       },
       [&](const auto& t, int) {
         swap_copy_kernel<false, std::decay_t<decltype(t)>::kN><<<grid_for(t.total_tiles), kThreads, 0, stream>>>(t);
@@ -235,9 +250,9 @@ at::Tensor fingerprint_cuda(at::TensorList bufs) {
   for_each_table(
       bufs.size(), true,
       [&](size_t i, Entry& e) {
-        e.mid = const_cast<char*>(static_cast<const char*>(bufs[i].const_data_ptr()));
-        e.dst = e.mid;
-        e.src = e.mid;
+        e.from = static_cast<const char*>(bufs[i].const_data_ptr());
+        e.to = nullptr;
+        e.refill = nullptr;
         e.nbytes = dense_nbytes(bufs[i], "fingerprint", "bufs", i);
       },
       [&](const auto& t, int base) {
@@ -250,11 +265,11 @@ at::Tensor fingerprint_cuda(at::TensorList bufs) {
 // Every block scans seq_lens into shared memory (cheap for S in the thousands), then maps its
 // slice of tokens by binary search: out[t] = first r with cum[r] > t, i.e. searchsorted right.
 template <typename O, typename S>
-__global__ void __launch_bounds__(1024) token_to_request_kernel(O* out, int64_t out_n, const S* lens, int n_seq,
-                                                                int64_t num_tokens, O pad) {
+__global__ void __launch_bounds__(1024)
+    token_to_request_kernel(O* out, int64_t out_n, const S* lens, int n_seq, int64_t num_tokens, O pad) {
   extern __shared__ int64_t smem[];
-  int64_t* cum = smem;               // [n_seq]
-  int64_t* part = smem + n_seq;      // [blockDim.x]
+  int64_t* cum = smem;           // [n_seq]
+  int64_t* part = smem + n_seq;  // [blockDim.x]
   const int per = (n_seq + blockDim.x - 1) / blockDim.x;
   const int lo = threadIdx.x * per, hi = min(n_seq, lo + per);
   int64_t run = 0;
@@ -281,7 +296,10 @@ __global__ void __launch_bounds__(1024) token_to_request_kernel(O* out, int64_t 
     int a = 0, b = n_seq;  // first index with cum > t, in [0, n_seq]
     while (a < b) {
       int m = (a + b) >> 1;
-      if (cum[m] > t) b = m; else a = m + 1;
+      if (cum[m] > t)
+        b = m;
+      else
+        a = m + 1;
     }
     out[t] = static_cast<O>(a);
   }
@@ -290,8 +308,7 @@ __global__ void __launch_bounds__(1024) token_to_request_kernel(O* out, int64_t 
 // One block: any(active) by a block-wide OR, then thread 0 writes the flag and, inside a graph,
 // sets the WHILE node's condition (cudaGraphSetConditional, CUDA 12.3+, no -rdc needed).
 __global__ void __launch_bounds__(256) loop_condition_kernel(int32_t* flag, const int64_t* counter, int64_t limit,
-                                                            const bool* active, int64_t n,
-                                                            unsigned long long handle) {
+                                                             const bool* active, int64_t n, unsigned long long handle) {
   int mine = 0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) mine |= active[i] ? 1 : 0;
   const int any = __syncthreads_or(mine);
@@ -309,8 +326,8 @@ void loop_condition_cuda(at::Tensor& flag, const at::Tensor& counter, int64_t li
   c10::cuda::CUDAGuard guard(flag.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   loop_condition_kernel<<<1, 256, 0, stream>>>(flag.data_ptr<int32_t>(), counter.const_data_ptr<int64_t>(), limit,
-                                              active.const_data_ptr<bool>(), active.numel(),
-                                              static_cast<unsigned long long>(handle));
+                                               active.const_data_ptr<bool>(), active.numel(),
+                                               static_cast<unsigned long long>(handle));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -331,7 +348,8 @@ void token_to_request_cuda(at::Tensor& out, const at::Tensor& seq_lens, int64_t 
     AT_DISPATCH_INDEX_TYPES(seq_lens.scalar_type(), "token_to_request_lens", [&] {
       auto kernel = token_to_request_kernel<O, index_t>;
       if (shm > 48 * 1024) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shm)));
+        C10_CUDA_CHECK(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shm)));
       }
       kernel<<<blocks, threads, shm, stream>>>(out.data_ptr<O>(), out.numel(), seq_lens.const_data_ptr<index_t>(),
                                                static_cast<int>(n_seq), num_tokens, static_cast<O>(pad_value));

@@ -43,7 +43,8 @@ def _buckets(text: str) -> list[int]:
     try:
         out = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers like 1,2,4,8, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers like 1,2,4,8, got {text!r}") from None
     if not out or out[0] < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers like 1,2,4,8, got {text!r}")
     return out

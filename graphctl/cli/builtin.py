@@ -17,8 +17,11 @@ def capture_target(*, device: str = "cpu", max_batch: int = 64, draft_len: int =
     eng = MTPEngine(EngineConfig(draft_len=draft_len, max_seqs=max_batch, seed=seed), device=device)
     g = torch.Generator().manual_seed(seed)
     k1 = draft_len + 1
-    eng.meta.prepare(eng.state, torch.full((max_batch,), k1, dtype=torch.int32),
-                     torch.randint(k1, max(k1 + 1, eng.cfg.max_context - 2 * k1), (max_batch,), generator=g, dtype=torch.int32))
+    eng.meta.prepare(
+        eng.state,
+        torch.full((max_batch,), k1, dtype=torch.int32),
+        torch.randint(k1, max(k1 + 1, eng.cfg.max_context - 2 * k1), (max_batch,), generator=g, dtype=torch.int32),
+    )
     ids = torch.randint(0, eng.cfg.vocab, (max_batch * k1,), generator=g).to(eng.device)
     return CaptureTarget(forward=eng.step, example=(ids, eng.meta), state=eng.state,
                          inputs=(StaticInput("input_ids", per_item=k1),), params=eng.named_tensors(),

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 import graphctl
-from graphctl.errors import CaptureError, GraphctlError
 from graphctl.cli.target import load_target
+from graphctl.errors import CaptureError, GraphctlError
 
 __all__ = ["run_capture", "derive_buckets", "coverage_rows", "SCHEMA"]
 
@@ -94,7 +94,7 @@ def _table(report, verify: dict[int, list], audits: dict[int, Any], per_item: in
         v = "-" if vs is None else ("ok" if all(r.ok for r in vs) else "[red]MISMATCH")
         a = audits.get(b.bucket)
         au = "-" if a is None else (f"[red]{len(a.errors)} err[/] {len(a.warnings)} warn" if a.errors else
-                                    f"clean" if not a.warnings else f"{len(a.warnings)} warn")
+                                    "clean" if not a.warnings else f"{len(a.warnings)} warn")
         t.add_row(str(b.bucket), str(b.bucket * per_item), f"{b.capture_ms:.1f}", f"{b.pool_bytes / 2**20:.2f}",
                   str(b.nodes), _num(b.replay_us), _num(b.eager_us), speed, v, au)
     return t
@@ -186,7 +186,9 @@ def run_capture(args) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError as exc:
-            con.print(f"[red]graphctl capture: --plot needs matplotlib ({exc}): pip install 'graphctl[plot]', or drop --plot")
+            con.print(
+                f"[red]graphctl capture: --plot needs matplotlib ({exc}): pip install 'graphctl[plot]', or drop --plot"
+            )
             return 2
     bad = _unwritable(args)
     if bad:

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 import graphctl
-from graphctl.knobs import knobs
 from graphctl.graphs.features import detect
+from graphctl.knobs import knobs
 from graphctl.ops import extension_status
 
 
@@ -85,7 +85,9 @@ def run_info(as_json: bool = False) -> int:
     t.add_row("CUDA kernels", f"{b.get('with_cuda', '-')}{why}", str(data["extension"]["with_cuda"]))
     t.add_row("arch list", str(b.get("arch_list", "-")), "-")
     ext = data["extension"]
-    t.add_row("graphctl._C", "built" if b else "not built", "loaded" if ext["loaded"] else f"[red]not loaded: {ext['error']}")
+    t.add_row(
+        "graphctl._C", "built" if b else "not built", "loaded" if ext["loaded"] else f"[red]not loaded: {ext['error']}"
+    )
     con.print(t)
     gpus = data["gpus"]
     if isinstance(gpus, str):

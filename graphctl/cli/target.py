@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 import importlib.util
+import inspect
 import os
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from graphctl.errors import DeclarationError
 from graphctl.graphs.inputs import StaticInput
@@ -53,8 +54,13 @@ class CaptureTarget:
 
 
 def _bad(spec: str, found: str, fix: str) -> DeclarationError:
-    return DeclarationError("capture target cannot be loaded", buffer=None, expected="module:factory or file.py:factory "
-                            "returning a CaptureTarget", found=f"{spec!r}: {found}", fix=fix)
+    return DeclarationError(
+        "capture target cannot be loaded",
+        buffer=None,
+        expected="module:factory or file.py:factory returning a CaptureTarget",
+        found=f"{spec!r}: {found}",
+        fix=fix,
+    )
 
 
 def load_target(spec: str, **options: Any) -> CaptureTarget:

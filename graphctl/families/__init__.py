@@ -15,17 +15,21 @@ buffers, host scalars frozen at capture, and spec-decoding masks and offsets. Th
 are synthetic (pool indices drawn at random); the reference engine in ``graphctl.models`` is
 the only forward that reads them.
 
-| family | extends | adds |
-|---|---|---|
-| ``paged`` | - | block tables, lengths (mutable, runtime view), cumulative lengths, token map, positions, slot mapping, pinned mirrors, the KV manager swap |
-| ``trtllm`` | paged | ``kv_cache_block_offsets [P,S,2,B]`` and the host offsets, swapped to the draft's |
-| ``dsa`` | trtllm | indexer offsets refreshed from the draft manager (clamped), fp8/scale slot mappings from the bound offsets, expanded block tables, generation indptrs, ``Stable`` top-k scratch |
-| ``deepseek_v4`` | dsa | sliding block tables swapped; SWA and sparse-MLA base pointers as device tables written in place |
+- ``paged``: block tables, lengths (mutable, runtime view), cumulative lengths, token map,
+  positions, slot mapping, pinned mirrors, the KV manager swap.
+- ``trtllm`` (extends paged): ``kv_cache_block_offsets [P,S,2,B]`` and the host offsets, swapped
+  to the draft's.
+- ``dsa`` (extends trtllm): indexer offsets refreshed from the draft manager (clamped), fp8/scale
+  slot mappings from the bound offsets, expanded block tables, generation indptrs, ``Stable``
+  top-k scratch.
+- ``deepseek_v4`` (extends dsa): sliding block tables swapped; SWA and sparse-MLA base pointers
+  as device tables written in place.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

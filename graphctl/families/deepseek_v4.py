@@ -15,7 +15,7 @@ says so as data for a configuration whose draft uses compression.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -68,14 +68,43 @@ def slot_mapping_fp8_(out, token_positions, req_idx, offsets, s64, s32, *, block
 def dsa_spec(name: str = "dsa", *, block_size: int, base: StateSpec | None = None) -> StateSpec:
     spec = StateSpec(name, extends=base or trtllm_spec(block_size=block_size))
     src = CopyInPlace(source=lambda m: m.draft_kv_cache_manager.indexer_pool_indices())
-    spec.buffer("indexer_k_cache_block_offsets", shape=("S", "B"), dtype=torch.int32, axis="seq", pad=Pad.clamp(0), readers={"target"},
-                draft=Swap(twin="draft_indexer_k_cache_block_offsets"))
-    spec.buffer("draft_indexer_k_cache_block_offsets", shape=("S", "B"), dtype=torch.int32, axis="seq", pad=Pad.clamp(0), readers={"draft"},
-                refresh=src)
-    spec.buffer("host_indexer_k_cache_block_offsets", shape=("S", "B"), dtype=torch.int32, axis="seq", pad=Pad.clamp(0), host=True,
-                readers={"target"}, draft=Swap(twin="host_draft_indexer_k_cache_block_offsets"))
-    spec.buffer("host_draft_indexer_k_cache_block_offsets", shape=("S", "B"), dtype=torch.int32, axis="seq", pad=Pad.clamp(0), host=True,
-                readers={"draft"})
+    spec.buffer(
+        "indexer_k_cache_block_offsets",
+        shape=("S", "B"),
+        dtype=torch.int32,
+        axis="seq",
+        pad=Pad.clamp(0),
+        readers={"target"},
+        draft=Swap(twin="draft_indexer_k_cache_block_offsets"),
+    )
+    spec.buffer(
+        "draft_indexer_k_cache_block_offsets",
+        shape=("S", "B"),
+        dtype=torch.int32,
+        axis="seq",
+        pad=Pad.clamp(0),
+        readers={"draft"},
+        refresh=src,
+    )
+    spec.buffer(
+        "host_indexer_k_cache_block_offsets",
+        shape=("S", "B"),
+        dtype=torch.int32,
+        axis="seq",
+        pad=Pad.clamp(0),
+        host=True,
+        readers={"target"},
+        draft=Swap(twin="host_draft_indexer_k_cache_block_offsets"),
+    )
+    spec.buffer(
+        "host_draft_indexer_k_cache_block_offsets",
+        shape=("S", "B"),
+        dtype=torch.int32,
+        axis="seq",
+        pad=Pad.clamp(0),
+        host=True,
+        readers={"draft"},
+    )
     # positions already follow seq_lens, kv_lens and req_idx_per_token (the in-graph dependency list)
     inputs = ["token_positions", "req_idx_per_token", "indexer_k_cache_block_offsets", "scratch_i64", "scratch_i32"]
     for part, scale in (("fp8", False), ("scale", True)):

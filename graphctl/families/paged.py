@@ -25,7 +25,18 @@ import torch
 from graphctl import ops
 from graphctl.state import CopyInPlace, Pad, Recompute, Stable, StateSpec, Swap
 
-__all__ = ["KVCacheManager", "PagedMetadata", "PAGED_SPEC", "SCRATCH", "paged_spec", "cumulative_lengths_", "token_map_", "positions_", "page_and_offset", "slot_mapping_"]
+__all__ = [
+    "KVCacheManager",
+    "PagedMetadata",
+    "PAGED_SPEC",
+    "SCRATCH",
+    "paged_spec",
+    "cumulative_lengths_",
+    "token_map_",
+    "positions_",
+    "page_and_offset",
+    "slot_mapping_",
+]
 
 # Stable scratch of the derived maps (never snapshotted; contents meaningless between calls
 # except token_index, the constant 0..T-1)
@@ -102,8 +113,15 @@ def paged_spec(name: str = "paged", *, block_size: int) -> StateSpec:
     spec.object("draft_kv_cache_manager")
     spec.buffer("block_table", shape=("S", "B"), dtype=torch.int32, axis="seq", pad=Pad.clamp(0),
                 readers={"target"}, draft=Swap(twin="draft_block_table"))
-    spec.buffer("draft_block_table", shape=("S", "B"), dtype=torch.int32, axis="seq", pad=Pad.clamp(0), readers={"draft"},
-                refresh=CopyInPlace(source=lambda m: m.draft_kv_cache_manager.pool_block_ids()))
+    spec.buffer(
+        "draft_block_table",
+        shape=("S", "B"),
+        dtype=torch.int32,
+        axis="seq",
+        pad=Pad.clamp(0),
+        readers={"draft"},
+        refresh=CopyInPlace(source=lambda m: m.draft_kv_cache_manager.pool_block_ids()),
+    )
     spec.buffer("seq_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), mutable=True)
     spec.buffer("kv_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), mutable=True,
                 aliases=("kv_lens_runtime",))

@@ -41,13 +41,46 @@ class TrtllmKVCacheManager(KVCacheManager):
 
 def trtllm_spec(name: str = "trtllm", *, block_size: int, base: StateSpec | None = None) -> StateSpec:
     spec = StateSpec(name, extends=base or paged_spec(block_size=block_size))
-    spec.buffer("kv_cache_block_offsets", shape=("P", "S", 2, "B"), dtype=torch.int32, axis="seq", axis_dim=1, pad=Pad.clamp(0), readers={"target"},
-                draft=Swap(twin="draft_kv_cache_block_offsets"))
-    spec.buffer("draft_kv_cache_block_offsets", shape=("P", "S", 2, "B"), dtype=torch.int32, axis="seq", axis_dim=1, pad=Pad.clamp(0), readers={"draft"})
-    spec.buffer("host_kv_cache_block_offsets", shape=("P", "S", 2, "B"), dtype=torch.int32, axis="seq", axis_dim=1, pad=Pad.clamp(0), host=True,
-                readers={"target"}, draft=Swap(twin="host_draft_kv_cache_block_offsets"))
-    spec.buffer("host_draft_kv_cache_block_offsets", shape=("P", "S", 2, "B"), dtype=torch.int32, axis="seq", axis_dim=1, pad=Pad.clamp(0), host=True,
-                readers={"draft"})
+    spec.buffer(
+        "kv_cache_block_offsets",
+        shape=("P", "S", 2, "B"),
+        dtype=torch.int32,
+        axis="seq",
+        axis_dim=1,
+        pad=Pad.clamp(0),
+        readers={"target"},
+        draft=Swap(twin="draft_kv_cache_block_offsets"),
+    )
+    spec.buffer(
+        "draft_kv_cache_block_offsets",
+        shape=("P", "S", 2, "B"),
+        dtype=torch.int32,
+        axis="seq",
+        axis_dim=1,
+        pad=Pad.clamp(0),
+        readers={"draft"},
+    )
+    spec.buffer(
+        "host_kv_cache_block_offsets",
+        shape=("P", "S", 2, "B"),
+        dtype=torch.int32,
+        axis="seq",
+        axis_dim=1,
+        pad=Pad.clamp(0),
+        host=True,
+        readers={"target"},
+        draft=Swap(twin="host_draft_kv_cache_block_offsets"),
+    )
+    spec.buffer(
+        "host_draft_kv_cache_block_offsets",
+        shape=("P", "S", 2, "B"),
+        dtype=torch.int32,
+        axis="seq",
+        axis_dim=1,
+        pad=Pad.clamp(0),
+        host=True,
+        readers={"draft"},
+    )
     return spec
 
 

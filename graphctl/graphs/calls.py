@@ -9,7 +9,8 @@ capture-time values silently.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from graphctl.errors import ReplayError
 from graphctl.graphs.frozen import first_change, freeze

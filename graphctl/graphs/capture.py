@@ -23,15 +23,16 @@ import dataclasses
 import logging
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from graphctl.errors import DeclarationError
 from graphctl.graphs.analysis.nodes import Region
 from graphctl.graphs.backends import GraphBackend, select_backend
-from graphctl.graphs.captured import Captured, gc_held, segments_from_marks, settle_slicing
 from graphctl.graphs.calls import Signature
+from graphctl.graphs.captured import Captured, gc_held, segments_from_marks, settle_slicing
 from graphctl.graphs.effects import Ledger, reachable, roots_of, storage_key
 from graphctl.graphs.frozen import freeze
 from graphctl.graphs.inputs import Buckets, InputSlot, StaticInput
@@ -62,7 +63,7 @@ class Fixed:
     def make(cls, sig: Signature, arguments: dict[str, Any], args: tuple, kwargs: dict, *, declared:
              tuple[StaticInput, ...] | None, pad_axes: dict[str, int] | None, largest: int, backend: str,
              state: BoundState | None, batch: Callable[[tuple[StaticInput, ...], dict[str, Any]],
-                                                       tuple[int, list[Any]]]) -> "Fixed":
+                                                       tuple[int, list[Any]]]) -> Fixed:
         inputs = declared
         if inputs is None:
             inputs = tuple(StaticInput(n) for n, v in arguments.items() if isinstance(v, torch.Tensor))

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten

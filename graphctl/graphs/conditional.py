@@ -23,10 +23,9 @@ itself on every version so that one code path is tested.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphctl import bindings

@@ -18,7 +18,8 @@ argument a static input with its batch on dim 0. The result is a :class:`GraphRu
 option and constraint is documented there."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from graphctl.graphs.runner import GraphRunner
 

@@ -24,7 +24,8 @@ recoverable here (that is the collective's timeout); graphctl agrees before the 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

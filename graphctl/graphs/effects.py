@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import types
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

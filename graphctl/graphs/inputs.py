@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
@@ -46,7 +46,7 @@ class StaticInput:
                                    found=self.dim, fix="count dimensions from the front")
 
     @classmethod
-    def of(cls, spec: "str | StaticInput") -> "StaticInput":
+    def of(cls, spec: str | StaticInput) -> StaticInput:
         return spec if isinstance(spec, StaticInput) else cls(spec)
 
     def allocate(self, example: torch.Tensor, max_bucket: int) -> torch.Tensor:

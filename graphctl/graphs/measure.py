@@ -9,7 +9,8 @@ what serves each batch size: a bucket, an eager fallback, or an error.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 

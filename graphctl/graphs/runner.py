@@ -31,7 +31,8 @@ import functools
 import inspect
 import logging
 import types
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -41,7 +42,8 @@ from graphctl.graphs import measure as _measure
 from graphctl.graphs.analysis.audit import Audit, audit_graph, param_tensors
 from graphctl.graphs.analysis.nodes import Node, Region, census
 from graphctl.graphs.analysis.report import BucketReport, Report, Segment
-from graphctl.graphs.analysis.verify import VerifyResult, verify as _verify
+from graphctl.graphs.analysis.verify import VerifyResult
+from graphctl.graphs.analysis.verify import verify as _verify
 from graphctl.graphs.backends.cuda import refuse_nested_capture
 from graphctl.graphs.calls import Signature, frozen_change
 from graphctl.graphs.capture import Fixed, Passes, capture_buckets
@@ -176,7 +178,7 @@ class GraphRunner:
 
     # -------------------------------------------------------------------------- capture
 
-    def capture_all(self, *args: Any, **kwargs: Any) -> "GraphRunner":
+    def capture_all(self, *args: Any, **kwargs: Any) -> GraphRunner:
         """Warm every bucket up eagerly, then capture them largest first into one pool. With
         ``group``, every rank must call it (the same buckets, in the same order: the forward's
         collectives are warmed up and captured in step).
@@ -358,7 +360,7 @@ class GraphRunner:
         """The static buffer behind input ``name`` (tests poison its padding with it)."""
         return next(slot.static for slot in self._captured_or_raise("static_input").slots if slot.spec.name == name)
 
-    def measure(self, iters: int = 20) -> "GraphRunner":
+    def measure(self, iters: int = 20) -> GraphRunner:
         """Median time of the whole graphed call and of the eager forward, per bucket, each at
         its own size; see :func:`graphctl.graphs.measure.measure`."""
         self._captured_or_raise("measure()")

@@ -20,7 +20,8 @@ With ``threshold=0`` every mode proposes the same tokens (``tests/engine``, ``te
 from __future__ import annotations
 
 import inspect
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -30,7 +31,15 @@ from graphctl.graphs import GraphRunner, StaticInput, graphed, select_backend
 from graphctl.graphs.conditional import DeviceLoop
 from graphctl.models.mtp import MTPEngine, StepOutput
 
-__all__ = ["MODES", "graphed_step", "dynamic_of", "DynamicDraft", "PerStepLoop", "draft_confidences", "expected_dynamic"]
+__all__ = [
+    "MODES",
+    "graphed_step",
+    "dynamic_of",
+    "DynamicDraft",
+    "PerStepLoop",
+    "draft_confidences",
+    "expected_dynamic",
+]
 
 MODES = ("unrolled", "per_step", "device_loop")
 
@@ -161,7 +170,7 @@ class PerStepLoop:
         accepted = self.head.outputs(b)[0]  # the bucket's static acceptance (padding rows included)
         return self.eng.draft_layout(accepted, self.eng.state.write)
 
-    def capture_all(self, input_ids: torch.Tensor, meta: Any) -> "PerStepLoop":
+    def capture_all(self, input_ids: torch.Tensor, meta: Any) -> PerStepLoop:
         eng, st = self.eng, self.eng.state
         self.head.capture_all(input_ids, meta)
         self._be = select_backend(self.backend_name, eng.device)
@@ -175,15 +184,19 @@ class PerStepLoop:
         return self
 
     def __call__(self, input_ids: torch.Tensor, meta: Any) -> StepOutput:
-        eng, st, k = self.eng, self.eng.state, self.eng.k
+        st, k = self.eng.state, self.eng.k
         if not self._graphs:
             self.capture_all(input_ids, meta)
         accepted, bonus = self.head(input_ids, meta)
         n = accepted.shape[0]
         b = self.head.buckets.pick(n)
         if b not in self._graphs:
-            raise CaptureError("per_step has no draft graphs for this batch", expected=f"a bucket of {sorted(self._graphs)}",
-                               found=f"n={n}", fix="capture with a larger bucket")
+            raise CaptureError(
+                "per_step has no draft graphs for this batch",
+                expected=f"a bucket of {sorted(self._graphs)}",
+                found=f"n={n}",
+                fix="capture with a larger bucket",
+            )
         prefill, step = self._graphs[b]
         _, bonus_b = self.head.outputs(b)
         with st.switch("draft"):

@@ -7,7 +7,7 @@ call, on one device.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -6,7 +6,7 @@ kernels must be bit-identical to these on every input.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -125,7 +125,9 @@ def check_loop_condition(flag: torch.Tensor, counter: torch.Tensor, active: torc
         raise ValueError(f"graphctl::loop_condition_: flag, counter and active must be on one device (found "
                          f"{flag.device}, {counter.device}, {active.device})")
     if flag.numel() != 1 or flag.dtype != torch.int32:
-        raise ValueError(f"graphctl::loop_condition_: flag must be one int32 element, found {flag.numel()} of {flag.dtype}")
+        raise ValueError(
+            f"graphctl::loop_condition_: flag must be one int32 element, found {flag.numel()} of {flag.dtype}"
+        )
     if counter.numel() != 1 or counter.dtype != torch.int64:
         raise ValueError(f"graphctl::loop_condition_: counter must be one int64 element, found {counter.numel()} of "
                          f"{counter.dtype}")

@@ -9,7 +9,7 @@ snapshot overwrite the outer one. The ``write`` family holds the undo copy of
 op per direction."""
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

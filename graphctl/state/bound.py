@@ -18,29 +18,30 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 from graphctl import ops
-from graphctl.knobs import knobs
 from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitchError, SwitchError
+from graphctl.knobs import knobs
 from graphctl.state import paths, writes
 from graphctl.state.arena import Group, allocate_arenas, make_groups
 from graphctl.state.interrupts import deferred
-from graphctl.state.validate import bind_aliases, check_bindings, check_source, expected_bindings, validate
 from graphctl.state.phase import capturing, resolve_phase
 from graphctl.state.plan import PHASES, Plan, compile_spec
 from graphctl.state.registry import Registry, default_registry
 from graphctl.state.spec import CopyInPlace
-from graphctl.state.transaction import FaultHook, Switch, Step
+from graphctl.state.transaction import FaultHook, Step, Switch
+from graphctl.state.validate import bind_aliases, check_bindings, check_source, expected_bindings, validate
 
 __all__ = ["bind", "BoundState", "ROLES"]
 
 ROLES = ("draft",)
 
 
-def bind(obj: Any, *, registry: Registry | None = None, dims: Mapping[str, int] | None = None) -> "BoundState":
+def bind(obj: Any, *, registry: Registry | None = None, dims: Mapping[str, int] | None = None) -> BoundState:
     """Bind ``obj`` to the spec registered for its type (see :class:`BoundState`)."""
     spec = paths.expand_spec((registry or default_registry).lookup(type(obj)), obj)  # "[*]" entries, per object
     return BoundState(obj, compile_spec(spec), dims=dims)
@@ -116,16 +117,14 @@ class BoundState:
                            fix="copy the metadata object itself and graphctl.bind() the copy: snapshot slots and "
                                "switch ownership belong to one state")
 
-    def __copy__(self) -> "BoundState":
+    def __copy__(self) -> BoundState:
         raise self._refuse_copy("copied")
 
-    def __deepcopy__(self, memo: Any) -> "BoundState":
+    def __deepcopy__(self, memo: Any) -> BoundState:
         raise self._refuse_copy("deep-copied")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise self._refuse_copy("pickled")
-
-    # ----------------------------------------------------------------- bind-time checks
 
     # ---------------------------------------------------------------------- introspection
 
@@ -291,7 +290,7 @@ class BoundState:
 
     # ------------------------------------------------------------------------ the switch
 
-    def switch(self, role: str, phase: str = "auto") -> "Switch":
+    def switch(self, role: str, phase: str = "auto") -> Switch:
         """Context manager: enter ``role`` (``"draft"``) for ``phase`` (``eager``, ``capture``,
         ``replay``, or ``auto``: ``capture`` under a capture, else ``eager``) and restore
         everything on exit. See the module docstring."""
@@ -415,6 +414,7 @@ class BoundState:
 
     def _recompute(self, name: str, out: torch.Tensor | None = None) -> None:
         rc = self.plan.buffers[name].derive
+        assert rc is not None  # recompute steps exist for derived buffers only
         target = paths.get(self.obj, name) if out is None else out
         self._call_user(f"the Recompute fn of '{name}'", rc.fn, target, *(paths.get(self.obj, i) for i in rc.inputs))
 

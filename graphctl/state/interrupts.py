@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["deferred", "DEFERRED_SIGNALS"]
 
@@ -41,7 +42,7 @@ class deferred:
 
     _depth = 0  # nesting depth in the main thread (only the main thread installs handlers)
 
-    def __init__(self, on_interrupt: Callable[[], None] | None = None) -> None:
+    def __init__(self, on_interrupt: Callable[[], object] | None = None) -> None:
         self._saved: list[tuple[int, Any]] = []
         self._pending: list[tuple[int, Any]] = []
         self._active = False
@@ -55,7 +56,7 @@ class deferred:
     def _hold(self, signum: int, frame: Any) -> None:
         self._pending.append((signum, frame))
 
-    def __enter__(self) -> "deferred":
+    def __enter__(self) -> deferred:
         if threading.current_thread() is not _MAIN or deferred._depth:
             return self
         try:

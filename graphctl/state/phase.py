@@ -8,12 +8,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
 
 import torch
 
 from graphctl import bindings
-
 
 __all__ = ["recording", "is_recording", "capturing", "resolve_phase", "capture_invalidated"]
 
@@ -39,7 +40,7 @@ def is_recording() -> bool:
     owner = _RECORDING.get()
     if owner is None:
         return False
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     while f is not None:
         if f is owner:
             return True

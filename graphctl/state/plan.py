@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from graphctl.errors import DeclarationError
 from graphctl.state.spec import BufferDecl, CopyInPlace, ObjectDecl, StateSpec, Swap, is_draft_segment
@@ -104,8 +104,13 @@ def _check_entries(spec: StateSpec) -> None:
                 raise DeclarationError("Swap twin is of another kind", buffer=name, expected=d.kind, found=t.kind,
                                        fix="swap tensors with tensors and objects with objects")
             if isinstance(t.draft, Swap):
-                raise DeclarationError("Swap twin is itself swapped", buffer=name, expected=f"'{twin}' without draft=Swap",
-                                       found=f"Swap(twin='{t.draft.twin}')", fix="swap only from the target entry")
+                raise DeclarationError(
+                    "Swap twin is itself swapped",
+                    buffer=name,
+                    expected=f"'{twin}' without draft=Swap",
+                    found=f"Swap(twin='{t.draft.twin}')",
+                    fix="swap only from the target entry",
+                )
             if twin in twin_of:
                 raise DeclarationError("two entries swap to the same twin", buffer=name,
                                        expected=f"'{twin}' used by one base", found=f"also used by '{twin_of[twin]}'",
@@ -148,7 +153,9 @@ def compile_spec(spec: StateSpec) -> Plan:
 
     direct: dict[str, set[str]] = {}
     for n in order:
-        for i in buffers[n].derive.inputs:
+        rc = buffers[n].derive
+        assert rc is not None  # the order holds derived buffers only
+        for i in rc.inputs:
             direct.setdefault(i, set()).add(n)
     dependents: dict[str, tuple[str, ...]] = {}
     for n in entries:
@@ -172,7 +179,11 @@ def compile_spec(spec: StateSpec) -> Plan:
             for dep in (n,) + dependents[n]:
                 readers = buffers[dep].readers
                 if not all(is_draft_segment(r) for r in readers):
-                    why = "is refreshed in place around replay" if dep == n else f"is recomputed from '{n}', which is refreshed in place around replay,"
+                    why = (
+                        "is refreshed in place around replay"
+                        if dep == n
+                        else f"is recomputed from '{n}', which is refreshed in place around replay,"
+                    )
                     raise DeclarationError(
                         f"{why} but a non-draft segment reads it", buffer=dep, expected="readers within draft segments",
                         found=sorted(readers),

@@ -5,7 +5,8 @@ restoring them go through :func:`graphctl.ops.copy_`, one fused call per device.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,7 +31,7 @@ class Snapshot:
 
     @classmethod
     def of(cls, state: BoundState | None, names: Callable[[BoundState], Sequence[str]],
-           extra: Sequence[torch.Tensor] = ()) -> "Snapshot":
+           extra: Sequence[torch.Tensor] = ()) -> Snapshot:
         """A snapshot of ``names(state)`` (e.g. ``BoundState.mutable_names``) and ``extra``."""
         return cls([state.tensor(n) for n in names(state)] if state is not None else [], extra)
 
@@ -44,7 +45,7 @@ class Snapshot:
         self._live += [live for live, _ in pairs]
         self._saved += [copy for _, copy in pairs]
 
-    def __enter__(self) -> "Snapshot":
+    def __enter__(self) -> Snapshot:
         _copy(self._saved, self._live)
         return self
 

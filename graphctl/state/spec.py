@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-from typing import Any, Callable, Iterable, Mapping, Union
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import torch
 
@@ -55,19 +56,19 @@ class Pad:
                                        found=f"lo={self.lo}, hi={self.hi}", fix="swap the bounds")
 
     @classmethod
-    def zero(cls) -> "Pad":
+    def zero(cls) -> Pad:
         return cls("zero")
 
     @classmethod
-    def fill(cls, value: float | int) -> "Pad":
+    def fill(cls, value: float | int) -> Pad:
         return cls("fill", value=value)
 
     @classmethod
-    def clamp(cls, lo: float | int | None = None, hi: float | int | None = None) -> "Pad":
+    def clamp(cls, lo: float | int | None = None, hi: float | int | None = None) -> Pad:
         return cls("clamp", lo=lo, hi=hi)
 
     @classmethod
-    def keep(cls) -> "Pad":
+    def keep(cls) -> Pad:
         return cls("keep")
 
     def unfit(self, dtype: torch.dtype) -> str | None:
@@ -101,6 +102,7 @@ class Pad:
         if self.kind == "zero":
             tail.zero_()
         elif self.kind == "fill":
+            assert self.value is not None  # Pad.fill(value) sets it
             tail.fill_(self.value)
         else:
             tail.clamp_(min=self.lo, max=self.hi)
@@ -119,7 +121,7 @@ class Swap:
                                    found=self.twin, fix="write Swap(twin='draft_<name>')")
 
 
-Source = Union[str, Callable[[Any], torch.Tensor]]
+Source = str | Callable[[Any], torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -178,7 +180,7 @@ class Stable:
     (top-k scratch, radix buffers): audited, never cloned, never written by a switch."""
 
 
-DraftAction = Union[Swap, CopyInPlace, Stable, None]
+DraftAction = Swap | CopyInPlace | Stable | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -216,7 +218,8 @@ class ObjectDecl:
     kind = "object"
 
 
-Decl = Union[BufferDecl, ObjectDecl]
+Decl = BufferDecl | ObjectDecl
+_D = TypeVar("_D", BufferDecl, ObjectDecl)
 
 
 def _err(name: str, what: str, expected: Any, found: Any, fix: str) -> DeclarationError:
@@ -279,7 +282,7 @@ class StateSpec:
     parent entry needs ``override=True``. Once registered (or compiled) a spec is frozen.
     """
 
-    def __init__(self, name: str, *, extends: "StateSpec | None" = None) -> None:
+    def __init__(self, name: str, *, extends: StateSpec | None = None) -> None:
         if extends is not None and not isinstance(extends, StateSpec):
             raise DeclarationError("extends= takes a StateSpec", buffer=None, expected="StateSpec",
                                    found=type(extends).__name__, fix="pass the parent spec object")
@@ -288,7 +291,7 @@ class StateSpec:
         self._entries: dict[str, Decl] = dict(extends.entries) if extends is not None else {}
         self._own: set[str] = set()
         self._frozen = False
-        self._plan = None  # compiled lazily by graphctl.state.plan.compile_spec
+        self._plan: Any = None  # the Plan, compiled lazily by graphctl.state.plan.compile_spec
 
     @property
     def entries(self) -> Mapping[str, Decl]:
@@ -298,7 +301,7 @@ class StateSpec:
     def frozen(self) -> bool:
         return self._frozen
 
-    def _add(self, decl: Decl, override: bool) -> Decl:
+    def _add(self, decl: _D, override: bool) -> _D:
         if self._frozen:
             raise DeclarationError(f"spec '{self.name}' is frozen (registered or compiled)", buffer=decl.name,
                                    expected="an unfrozen spec", found="frozen",

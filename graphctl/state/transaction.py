@@ -3,8 +3,10 @@
 Generic: a ``Switch`` runs the steps its :class:`Owner` hands it and knows nothing else of it.
 The owner (``BoundState``, ``graphctl.state.bound``) builds the steps of each phase once and
 keeps the policy: who may switch (poisoned, nested, re-entrant, concurrent use), the checks on
-entry (capture status, bindings, stale buffers), observers, fingerprints, poisoning. A step counts as applied only after its ``apply`` returned, so an undo never "restores"
-from an arena that was never filled. Any ``BaseException`` while applying undoes the applied
+entry (capture status, bindings, stale buffers), observers, fingerprints, poisoning.
+
+A step counts as applied only after its ``apply`` returned, so an undo never "restores" from an
+arena that was never filled. Any ``BaseException`` while applying undoes the applied
 steps and re-raises the original exception; every undo and restore step runs even if an
 earlier one failed, and any failure poisons the state (``CorruptedStateError``).
 """
@@ -13,7 +15,9 @@ from __future__ import annotations
 import dis
 import inspect
 import sys
-from typing import Any, Callable, Mapping, Protocol
+from collections.abc import Callable, Mapping
+from types import FrameType
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -64,13 +68,13 @@ class Owner(Protocol):
     """What a switch needs of the state it switches; ``BoundState`` implements it."""
 
     device: torch.device
-    _active: "Switch | None"  # the switch that owns the state now, if any
+    _active: Switch | None  # the switch that owns the state now, if any
 
-    def _claim(self, sw: "Switch") -> None: ...  # own the state for ``sw``, or raise (nothing changed)
-    def _release(self, sw: "Switch") -> None: ...
-    def _enter(self, sw: "Switch") -> Any: ...  # entry checks and observers; what _leave verifies against
-    def _leave(self, sw: "Switch", failed: bool) -> Failures: ...  # exit observers and verification
-    def _steps(self, phase: str) -> tuple["Step", ...]: ...
+    def _claim(self, sw: Switch) -> None: ...  # own the state for ``sw``, or raise (nothing changed)
+    def _release(self, sw: Switch) -> None: ...
+    def _enter(self, sw: Switch) -> Any: ...  # entry checks and observers; what _leave verifies against
+    def _leave(self, sw: Switch, failed: bool) -> Failures: ...  # exit observers and verification
+    def _steps(self, phase: str) -> tuple[Step, ...]: ...
     def _hook(self, stage: str, step: str, when: str) -> None: ...  # fault injection (tests)
     def _poison(self, failures: Failures) -> BaseException: ...  # later uses raise it
 
@@ -94,7 +98,7 @@ class Switch:
         self.used = False
         self.frame: Any = None  # the plain-function frame whose with-statement entered it
 
-    def __enter__(self) -> "Switch":
+    def __enter__(self) -> Switch:
         st = self.state
         if self.used:
             raise SwitchError("a Switch object is entered twice", expected="a fresh state.switch(...) per use",
@@ -130,8 +134,8 @@ class Switch:
                     failures = self._unwind() + partial
                     if partial:
                         st._poison(failures)
-                    for name, err in failures:
-                        exc.add_note(f"graphctl: {name} could not be undone ({type(err).__name__}: {err}); "
+                    for name, why in failures:
+                        exc.add_note(f"graphctl: {name} could not be undone ({type(why).__name__}: {why}); "
                                      "state poisoned")
                     raise
             return self
@@ -165,7 +169,7 @@ class Switch:
             self.applied.pop()
         return failures
 
-    def __exit__(self, et, ev, tb) -> bool:
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> Literal[False]:
         try:
             self._restore(ev)
         except BaseException:
@@ -184,7 +188,7 @@ class Switch:
         still active; the state's next use in this thread restores it (see ``BoundState``)."""
         if self.frame is None:
             return False
-        f = sys._getframe(1)
+        f: FrameType | None = sys._getframe(1)
         while f is not None:
             if f is self.frame:
                 return False

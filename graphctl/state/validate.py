@@ -2,7 +2,8 @@
 swapped buffers that a switch must re-point (``BoundState.__init__`` runs them once)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -85,6 +86,7 @@ def validate(st) -> None:
 
 
 def check_shape(st, name: str, d: BufferDecl, t: torch.Tensor) -> None:
+    assert d.shape is not None  # called for declared shapes only
     if t.dim() != len(d.shape):
         raise err(st, name, "rank differs from the declared shape", d.shape, tuple(t.shape),
                   "allocate it with the declared number of dimensions")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -96,8 +97,13 @@ def write(st, name: str, value: torch.Tensor) -> None:
                           expected="mutable=True", found="mutable=False",
                           fix="declare mutable=True so the switch snapshots and restores it")
     if sw is not None and sw.phase == "refresh":
-        raise SwitchError("write() inside a refresh switch", buffer=name, expected="no writes (nothing is "
-                          "snapshotted for them)", found="a write", fix="write before the replay, or use phase='replay'")
+        raise SwitchError(
+            "write() inside a refresh switch",
+            buffer=name,
+            expected="no writes (nothing is snapshotted for them)",
+            found="a write",
+            fix="write before the replay, or use phase='replay'",
+        )
     st._check_bindings()  # every input a recompute reads must still be the bound tensor
     target = st._expected(sw.phase if sw is not None else None)[st._index[name]][1]
     check_value(st, name, d, target, value)

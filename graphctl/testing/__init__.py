@@ -4,7 +4,9 @@ rules), and a CPU allocation tracker."""
 from graphctl.testing.alloc import AllocationTracker
 from graphctl.testing.graph_machine import GraphMachine
 from graphctl.testing.machine import InjectedFault, InjectedInterrupt, SwitchMachine
-from graphctl.testing.profiles import PROFILES, load as load_profile, register as register_profiles
+from graphctl.testing.profiles import PROFILES
+from graphctl.testing.profiles import load as load_profile
+from graphctl.testing.profiles import register as register_profiles
 from graphctl.testing.strategies import DTYPES, Case, cases, combine, random_tensor
 
 __all__ = ["AllocationTracker", "Case", "DTYPES", "GraphMachine", "InjectedFault", "InjectedInterrupt", "PROFILES",

@@ -13,14 +13,13 @@ every bucket or none, and the invariants hold. A ``replay``-phase switch wrapped
 ``backend = "cuda"`` and draw CUDA cases to run it on real graphs."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
-
-import os
 
 from graphctl.graphs import GraphRunner
 from graphctl.testing.interrupts import call_interrupted

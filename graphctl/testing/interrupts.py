@@ -27,7 +27,8 @@ import dataclasses
 import os
 import signal
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from hypothesis import note
@@ -146,7 +147,9 @@ class SwitchMachine(RuleBasedStateMachine):
         if d.axis is not None:
             rows = data.draw(st.integers(0, live.shape[d.axis_dim]), label="rows")
         value = self.case.value(name, rows)
-        refused = d.derive is not None or (self.switch is not None and (not d.mutable or self.switch.phase == "refresh"))
+        refused = d.derive is not None or (
+            self.switch is not None and (not d.mutable or self.switch.phase == "refresh")
+        )
         before = {n: _bytes(getattr(self.case.obj, n)) for n in self.names}
         if refused:
             try:
@@ -308,7 +311,9 @@ class SwitchMachine(RuleBasedStateMachine):
         try:
             if self.switch is None and derived:
                 # a write to an input of a derived buffer runs its Recompute fn
-                name = next((n for n in self.names if self.plan.dependents[n] and not self.plan.buffers[n].derive), None)
+                name = next(
+                    (n for n in self.names if self.plan.dependents[n] and not self.plan.buffers[n].derive), None
+                )
                 if name is None:
                     return
                 value = self.case.value(name)

@@ -6,7 +6,8 @@ examples never collide in the global registry."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from hypothesis import strategies as st

@@ -8,7 +8,7 @@ import torch
 
 import graphctl
 from graphctl import ReplayError, StaleBufferError
-from auditcases import dangling_temporary, engine_audits, target_reads_refreshed
+from support.audit import dangling_temporary, engine_audits, target_reads_refreshed
 
 pytestmark = pytest.mark.cuda
 
@@ -76,9 +76,9 @@ def test_target_kernel_touching_a_refreshed_buffer_cuda(gen):
 
 def test_stale_derived_buffer_named_cuda(gen):
     # Regression: TensorRT-LLM #16925, req_idx_per_token built for k+1 tokens/request reused at 1 in the draft loop.
-    from graphctl.families.paged import token_map_, paged_spec
-    from graphctl.models import EngineConfig, MTPEngine
     from graphctl import Recompute, StateSpec
+    from graphctl.families.paged import paged_spec, token_map_
+    from graphctl.models import EngineConfig, MTPEngine
 
     holder: dict = {}
     spec = StateSpec("paged-stale-map", extends=paged_spec(block_size=8))

@@ -9,8 +9,8 @@ import torch
 import graphctl
 from graphctl import bind, ops
 from graphctl.ops import reference
-from mini import MiniMetadata, make_registry
-from opcases import buffer_set, bytes_equal
+from support.mini import MiniMetadata, make_registry
+from support.ops import buffer_set, bytes_equal
 
 pytestmark = pytest.mark.cuda
 
@@ -129,7 +129,7 @@ def test_switch_recorded_in_graph_adds_two_nodes_and_replays_transactionally(gen
 def test_switch_recorded_in_graph_replays_with_live_contents_and_restores(gen):
     # The test above never replayed: a recorded switch must, at every replay, read the live draft twin and
     # write-through contents, and leave every declared buffer as it found it.
-    from mini import slots
+    from support.mini import slots
 
     m = MiniMetadata(gen, S=64, B=16, k=3, device="cuda")
     st = bind(m, registry=make_registry())
@@ -222,7 +222,7 @@ def test_draft_loop_captured_and_replayed_equals_eager(gen):
 
 
 def test_pageable_host_buffer_refused_on_cuda_state():
-    from error_cases import CASES, PINNED_MESSAGE
+    from support.errors import CASES, PINNED_MESSAGE
 
     case = next(c for c in CASES if c.id == "bind-host-pinned")
     with pytest.raises(graphctl.BindError) as ei:

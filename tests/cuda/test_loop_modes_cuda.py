@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import graphctl
-from graphctl import CaptureError, StaticInput
+from graphctl import CaptureError
 from graphctl.graphs.conditional import DeviceLoop
-from graphctl.models import DynamicDraft, draft_confidences, dynamic_of, expected_dynamic, graphed_step
-from enginecases import acceptance, dynamic_setup, thresholds, trace
+from graphctl.models import draft_confidences, dynamic_of, expected_dynamic, graphed_step
+from support.engine import acceptance, dynamic_setup, thresholds, trace
 
 pytestmark = pytest.mark.cuda
 

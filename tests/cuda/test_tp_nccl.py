@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from distcases import run_all
+from support.distributed import run_all
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from distcases import run_all
+from support.distributed import run_all
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 

@@ -9,7 +9,7 @@ import torch
 
 from graphctl import CaptureError, DeclarationError
 from graphctl.models import DynamicDraft, draft_confidences, expected_dynamic, graphed_step
-from enginecases import acceptance, dynamic_setup, thresholds, trace
+from support.engine import acceptance, dynamic_setup, thresholds, trace
 
 
 @pytest.mark.parametrize("k,bs", [(1, 3), (3, 5), (7, 8)])

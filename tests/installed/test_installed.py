@@ -27,8 +27,9 @@ def test_the_installed_extension_loads_and_matches_the_references():
 
 def test_the_installed_package_graphs_a_forward_with_a_side_effect_and_restores_it():
     # Issue 16: the wheel's machines, profiles and runner must work without the checkout.
-    import graphctl.testing  # noqa: F401 - hypothesis is a dependency of the package
     from hypothesis import settings
+
+    import graphctl.testing  # noqa: F401 - hypothesis is a dependency of the package
 
     settings.get_profile("graphctl-ci")
     counter = torch.zeros(1)

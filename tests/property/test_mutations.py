@@ -4,14 +4,15 @@ regression would; the machine, at the CI profile, must fail on it."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import graphctl.state.arena as arena
-from graphctl.state import bound, plan as plan_mod, transaction
+from graphctl.state import bound, transaction
+from graphctl.state import plan as plan_mod
 from graphctl.testing import GraphMachine, SwitchMachine
 
 

@@ -251,11 +251,11 @@ def test_audit_accepts_a_list_of_modules_and_refuses_junk(gen):
 
 
 @pytest.mark.parametrize("target,code,words", [
-    ("tests/cli_targets.py:raises_in_factory", 2, "raised RuntimeError: the factory could not build"),
-    ("tests/cli_targets.py:wrong_signature", 2, "cannot take the options"),
-    ("tests/cli_raises_at_import.py:make", 2, "importing it raised Exception"),
-    ("tests/cli_targets.py:forward_raises", 1, "bucket 4 failed: ValueError: shape mismatch in layer 3"),
-    ("tests/cli_targets.py:interrupted", 130, "graphctl: interrupted"),
+    ("tests/support/cli_targets.py:raises_in_factory", 2, "raised RuntimeError: the factory could not build"),
+    ("tests/support/cli_targets.py:wrong_signature", 2, "cannot take the options"),
+    ("tests/support/cli_raises_at_import.py:make", 2, "importing it raised Exception"),
+    ("tests/support/cli_targets.py:forward_raises", 1, "bucket 4 failed: ValueError: shape mismatch in layer 3"),
+    ("tests/support/cli_targets.py:interrupted", 130, "graphctl: interrupted"),
 ])
 def test_cli_failures_are_one_clear_line_with_the_documented_exit_code(capsys, target, code, words):
     # Issue 14 (errors): a factory that raised, a module that raised at import or a factory with the wrong
@@ -286,11 +286,10 @@ def test_ctrl_c_on_any_line_of_the_gc_hold_leaves_collection_enabled():
     # Issue 16 run: a KeyboardInterrupt delivered right after gc.disable(), before the try, left the Python GC off
     # for the rest of the process (found by the planted-bug machine leaving it off for later tests).
     import gc
+    import inspect
     import sys
 
     from graphctl.graphs import captured as runner_mod
-
-    import inspect
 
     code = runner_mod.gc_held.__wrapped__.__code__
     src, first = inspect.getsourcelines(runner_mod.gc_held.__wrapped__)

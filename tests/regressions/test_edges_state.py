@@ -9,11 +9,22 @@ import threading
 import pytest
 import torch
 
-
-from graphctl import (BindError, ConcurrentUseError, CopyInPlace, DeclarationError, NestedSwitchError, Pad,
-                      Recompute, Registry, StateSpec, Swap, SwitchError, bind)
+from graphctl import (
+    BindError,
+    ConcurrentUseError,
+    CopyInPlace,
+    DeclarationError,
+    NestedSwitchError,
+    Pad,
+    Recompute,
+    Registry,
+    StateSpec,
+    Swap,
+    SwitchError,
+    bind,
+)
 from graphctl.testing.interrupts import interrupt_sweep
-from mini import MiniMetadata, make_registry, make_spec
+from support.mini import MiniMetadata, make_registry, make_spec
 
 
 def _contents(st) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from graphctl import BindError, CorruptedStateError, Recompute, Registry, StateSpec, Swap, bind
-from mini import MiniMetadata, make_registry
+from support.mini import MiniMetadata, make_registry
 
 
 def test_token_map_follows_layout_change_to_one_token_per_request(gen):

@@ -8,7 +8,7 @@ import torch
 import graphctl
 from graphctl.graphs.analysis.audit import AddressMap
 from graphctl.graphs.analysis.nodes import Region, short_name
-from auditcases import dangling_temporary, engine_audits, target_reads_refreshed
+from support.audit import dangling_temporary, engine_audits, target_reads_refreshed
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_registered_weights_are_params_and_a_clean_forward_has_no_findings(gen):
         return lin(x).relu()
 
     f.capture_all(torch.randn(3, 4, generator=gen))
-    for b, a in f.audit().items():
+    for a in f.audit().values():
         assert not a.findings, str(a)
         assert a.classes.get("param", 0) >= 2, a.classes  # weight and bias
     # the same forward without params: the weights are live memory nobody registered
@@ -101,12 +101,20 @@ def test_library_kernels_are_recognised_by_name():
     assert not is_library_kernel("graphctl::_GLOBAL__N_1::swap_copy_kernel") and not is_library_kernel("triton_poi_0")
 
 
-@pytest.mark.parametrize("symbol,short", [
-    ("_ZN2at6native29vectorized_elementwise_kernelILi4ENS0_11FillFunctorIfEESt5arrayIPcLm1EEEEviT0_T1_",
-     "at::native::vectorized_elementwise_kernel"),
-    ("_ZN8graphctl12_GLOBAL__N_116swap_copy_kernelILi64EEEvNS0_5TableIXT_EEE", "graphctl::_GLOBAL__N_1::swap_copy_kernel"),
-    ("nvjet_sm90_tst_128x64_64x4_1x2_h_bz_TNT", "nvjet_sm90_tst_128x64_64x4_1x2_h_bz_TNT"),
-    ("_Z6kernelPf", "kernel"),
-])
+@pytest.mark.parametrize(
+    "symbol,short",
+    [
+        (
+            "_ZN2at6native29vectorized_elementwise_kernelILi4ENS0_11FillFunctorIfEESt5arrayIPcLm1EEEEviT0_T1_",
+            "at::native::vectorized_elementwise_kernel",
+        ),
+        (
+            "_ZN8graphctl12_GLOBAL__N_116swap_copy_kernelILi64EEEvNS0_5TableIXT_EEE",
+            "graphctl::_GLOBAL__N_1::swap_copy_kernel",
+        ),
+        ("nvjet_sm90_tst_128x64_64x4_1x2_h_bz_TNT", "nvjet_sm90_tst_128x64_64x4_1x2_h_bz_TNT"),
+        ("_Z6kernelPf", "kernel"),
+    ],
+)
 def test_short_names_of_mangled_kernels(symbol, short):
     assert short_name(symbol) == short

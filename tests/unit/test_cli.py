@@ -14,7 +14,7 @@ from graphctl.cli import main
 from graphctl.cli.capture import SCHEMA, coverage_rows, derive_buckets
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARGETS = os.path.join(HERE, "cli_targets.py")
+TARGETS = os.path.join(HERE, "support", "cli_targets.py")
 
 
 def _capture(capsys, *argv: str) -> tuple[int, str]:
@@ -37,7 +37,9 @@ def test_builtin_engine_report_json_png_and_dot(capsys, tmp_path):
     assert len(doc["verify"]) >= 3 and all(v["ok"] for v in doc["verify"])
     assert set(doc["audit"]) == {"1", "2", "4"} and all(a["errors"] == 0 for a in doc["audit"].values())
     assert [c["batch"] for c in doc["coverage"]] == ["1", "2", "3-4"]
-    assert doc["header"]["device"]["name"].startswith("no CUDA device") or "compute_capability" in doc["header"]["device"]
+    assert (
+        doc["header"]["device"]["name"].startswith("no CUDA device") or "compute_capability" in doc["header"]["device"]
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     files = sorted(os.listdir(dots))
     assert files == ["bucket_1.dot", "bucket_2.dot", "bucket_4.dot"]

@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from error_cases import CASES, PINNED_MESSAGE, table
+from support.errors import CASES, PINNED_MESSAGE, table
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 
@@ -39,4 +39,5 @@ def test_ids_unique():
 
 
 def test_errors_doc_is_current():
-    assert DOC.read_text() == table(), "docs/errors.md is stale: run `python tests/error_cases.py > docs/errors.md`"
+    assert DOC.read_text() == table(), (
+        "docs/errors.md is stale: run `PYTHONPATH=tests python -m support.errors > docs/errors.md`")

@@ -13,7 +13,7 @@ import torch
 import graphctl
 from graphctl import CaptureError, ReplayError, StaticInput
 from graphctl.graphs import SCHEMA
-from graphcases import Toy, check_capture_failure_restores, check_replay_matches_eager
+from support.graphs import Toy, check_capture_failure_restores, check_replay_matches_eager
 
 
 @pytest.fixture
@@ -21,15 +21,29 @@ def toy(gen):
     return Toy("cpu", gen)
 
 
-def test_replay_equals_eager_at_every_bucket(toy, gen):
-    sizes = [int(torch.randint(1, 17, (1,), generator=gen)) for _ in range(6)] + [1, 2, 4, 8, 16, 3, 5]
-    check_replay_matches_eager(toy, sizes)
-    assert toy.forward.captured == (1, 2, 4, 8, 16)
-    assert sum(b.replays for b in toy.forward.report().buckets) == len(sizes)
+@pytest.fixture
+def any_toy(backend, device, gen):
+    """The toy step on each graph backend (CUDA: a larger one, buckets to 64)."""
+    if backend == "cuda":
+        return Toy(device, gen, S=64, k=3, H=32, buckets=(1, 2, 4, 8, 16, 32, 64), backend="cuda")
+    return Toy(device, gen)
 
 
-def test_shrinking_and_growing_batches_never_see_stale_padding(toy):
-    check_replay_matches_eager(toy, [16, 3, 9, 1, 16, 2, 15, 5])
+def test_replay_equals_eager_at_every_bucket(any_toy, backend, gen):
+    # Replay must equal eager at every bucket and inside it (padding live), on each backend.
+    top = any_toy.forward.buckets.largest
+    sizes = [int(torch.randint(1, top + 1, (1,), generator=gen)) for _ in range(6)]
+    sizes += list(any_toy.forward.buckets.sizes)
+    check_replay_matches_eager(any_toy, sizes + [3, 5])
+    assert any_toy.forward.captured == tuple(any_toy.forward.buckets.sizes)
+    assert any_toy.forward.report().backend == backend
+    assert sum(b.replays for b in any_toy.forward.report().buckets) == len(sizes) + 2
+
+
+def test_shrinking_and_growing_batches_never_see_stale_padding(any_toy):
+    # A smaller batch after a larger one must never read the larger one's rows as its padding.
+    top = any_toy.forward.buckets.largest
+    check_replay_matches_eager(any_toy, [top, 3, top // 2 + 1, 1, top, 2, top - 1, 5])
 
 
 def test_segments_are_target_then_draft(toy):
@@ -100,8 +114,13 @@ def test_each_bucket_is_captured_from_the_callers_state(gen):
     assert torch.equal(toy.meta.seq_lens, want)
 
 
-def test_capture_failure_restores_and_keeps_nothing(gen):
-    check_capture_failure_restores(lambda: Toy("cpu", gen), gen)
+def test_capture_failure_restores_and_keeps_nothing(backend, device, gen):
+    # A capture that fails must restore the state, keep no graph, and (CUDA) leave the RNG usable.
+    check_capture_failure_restores(lambda: Toy(device, gen, backend=backend), gen)
+    if backend == "cuda":
+        a = torch.randn(16, device="cuda")
+        torch.cuda.synchronize()
+        assert torch.isfinite(a).all()
 
 
 def test_failure_in_a_smaller_bucket_drops_the_larger_ones_too(gen):

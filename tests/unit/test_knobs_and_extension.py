@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from graphctl import knobs as knobs_mod, ops
+from graphctl import knobs as knobs_mod
+from graphctl import ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

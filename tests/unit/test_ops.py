@@ -6,7 +6,7 @@ import torch
 
 from graphctl import ops
 from graphctl.ops import reference
-from opcases import buffer_set, bytes_equal, clones
+from support.ops import buffer_set, bytes_equal, clones
 
 pytestmark = pytest.mark.skipif(not ops.uses_extension(), reason="graphctl._C not loaded")
 
@@ -83,7 +83,11 @@ def test_loop_condition_matches_reference(gen):
 
 
 def test_loop_condition_refuses_bad_arguments():
-    flag, counter, active = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), torch.ones(3, dtype=torch.bool)
+    flag, counter, active = (
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int64),
+        torch.ones(3, dtype=torch.bool),
+    )
     with pytest.raises(ValueError, match="flag must be one int32 element"):
         ops.loop_condition_(torch.zeros(2, dtype=torch.int32), counter, 3, active)
     with pytest.raises(ValueError, match="counter must be one int64 element"):
@@ -126,8 +130,11 @@ print("cpp-errors-ok")
 """
 
 
-@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 14), reason="C++ exceptions from graphctl._C crash the process on the "
-                    "torch 2.11 GPU image (see bench/RESULTS.md notes); graphctl.ops validates in Python first")
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 14),
+    reason="C++ exceptions from graphctl._C crash the process on the "
+    "torch 2.11 GPU image (see bench/RESULTS.md notes); graphctl.ops validates in Python first",
+)
 def test_cpp_kernels_refuse_bad_input_before_writing():
     # The C++ checks are the last line of defence for direct torch.ops calls; run them in a subprocess.
     import subprocess

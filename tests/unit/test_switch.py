@@ -7,7 +7,7 @@ import torch
 import graphctl
 from graphctl import CorruptedStateError, NestedSwitchError, bind
 from graphctl.testing import AllocationTracker
-from mini import MiniMetadata, make_registry, slots
+from support.mini import MiniMetadata, make_registry, slots
 
 
 @pytest.fixture

@@ -175,7 +175,7 @@ def test_a_cache_per_bucket_is_found_and_restored_for_every_bucket():
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             model(ids, **{kw: c}, use_cache=True)
-    before = {n: [(l.keys.clone(), l.values.clone(), l.cumulative_length.clone()) for l in c.layers]
+    before = {n: [(layer.keys.clone(), layer.values.clone(), layer.cumulative_length.clone()) for layer in c.layers]
               for n, c in caches.items()}
 
     @graphctl.graphed(buckets=[4, 8], inputs=["tok"], backend="emulated", progress=False)

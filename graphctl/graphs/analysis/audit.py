@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 

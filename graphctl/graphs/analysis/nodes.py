@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["Ref", "Node", "Region", "flatten", "is_library_kernel", "LIBRARY_KERNEL_PREFIXES", "census", "short_name"]
 
@@ -52,7 +52,7 @@ class Node:
     library: bool = False  # a CUDA library's kernel: arguments packed in ``extra``, or a library name
     refs: tuple[Ref, ...] = ()
     note: str = ""  # why something could not be read
-    body: tuple["Node", ...] = ()  # the nodes of a conditional's body or a child graph (indices within it)
+    body: tuple[Node, ...] = ()  # the nodes of a conditional's body or a child graph (indices within it)
 
     @property
     def graphctl(self) -> bool:

@@ -12,7 +12,8 @@ Both runs start from the same state: every non-``Stable`` buffer is restored bet
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path

@@ -6,7 +6,8 @@ that cannot run raises :class:`~graphctl.errors.CaptureError` with every reason.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 

@@ -17,13 +17,19 @@ capture mode (torch's ``graphs.py``, seen on torch 2.11). This backend calls ``c
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from graphctl.errors import CaptureError
-from graphctl.graphs.backends.cuda_nodes import (allocator_regions, capturing_nodes, dot_print, graph_nodes,
-                                                 read_cuda_nodes)
+from graphctl.graphs.backends.cuda_nodes import (
+    allocator_regions,
+    capturing_nodes,
+    dot_print,
+    graph_nodes,
+    read_cuda_nodes,
+)
 from graphctl.state.phase import capture_invalidated
 
 __all__ = ["CudaBackend", "CudaGraph", "refuse_nested_capture"]

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import gc
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -11,7 +11,7 @@ import torch
 
 import graphctl
 from graphctl import StaticInput, bind
-from mini import MiniMetadata, make_registry
+from support.mini import MiniMetadata, make_registry
 
 POISON = {torch.float32: float("nan"), torch.int64: -(2**40), torch.int32: -(2**30)}
 

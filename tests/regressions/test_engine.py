@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import graphctl
-from graphctl import CopyInPlace, DeclarationError, Recompute, StaleBufferError, StaticInput, StateSpec
-from graphctl.families.paged import token_map_, paged_spec
+from graphctl import CopyInPlace, DeclarationError, Recompute, StaleBufferError, StateSpec, StaticInput
+from graphctl.families.paged import paged_spec, token_map_
 from graphctl.models import EngineConfig, MTPEngine
-from enginecases import STEPS, acceptance
+from support.engine import STEPS, acceptance
 
 
 def _stale_map_spec(holder: dict) -> StateSpec:

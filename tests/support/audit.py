@@ -8,7 +8,7 @@ import torch
 import graphctl
 from graphctl import StaticInput
 from graphctl.graphs.analysis.audit import Audit
-from graphcases import Toy
+from support.graphs import Toy
 
 
 def dangling_temporary(device: str, backend: str, gen: torch.Generator, drop: bool) -> Audit:

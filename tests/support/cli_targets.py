@@ -1,4 +1,4 @@
-"""Capture targets for the CLI tests (``graphctl capture tests/cli_targets.py:<factory>``):
+"""Capture targets for the CLI tests (``graphctl capture tests/support/cli_targets.py:<factory>``):
 each factory follows the CaptureTarget protocol; two plant a bug the command must report."""
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # mini, graphcases
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: support.*
 
-import graphctl  # noqa: E402
 from graphctl import CaptureTarget, StaticInput  # noqa: E402
 
 
@@ -34,7 +33,7 @@ def baked_host_value(*, device: str, max_batch: int, **_) -> CaptureTarget:
 
 def target_reads_refreshed(*, device: str, max_batch: int, **_) -> CaptureTarget:
     """The target reads the draft twin that is refreshed in place before replay (TensorRT-LLM #16887)."""
-    from graphcases import Toy
+    from support.graphs import Toy
 
     toy = Toy(device, torch.Generator().manual_seed(3), backend="emulated")
     st = toy.state

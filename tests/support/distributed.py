@@ -56,12 +56,18 @@ def scenario_fallback_agreement(rank: int, backend: str, device: str) -> dict:
 def scenario_refresh_fails_on_one_rank(rank: int, backend: str, device: str) -> dict:
     """The draft twin's refresh source is broken on rank 1 only: every rank restores and raises,
     no rank replays; with the source fixed, the next call replays on both."""
-    from graphcases import Toy
+    from support.graphs import Toy
 
     toy = Toy(device, torch.Generator().manual_seed(5), backend=backend)
-    f = graphctl.graphed(toy._forward, buckets=[4, 8], state=toy.state, backend=backend, progress=False,
-                         inputs=[StaticInput("tokens", per_item=toy.k + 1), StaticInput("positions", per_item=toy.k + 1)],
-                         group=dist.group.WORLD)
+    f = graphctl.graphed(
+        toy._forward,
+        buckets=[4, 8],
+        state=toy.state,
+        backend=backend,
+        progress=False,
+        inputs=[StaticInput("tokens", per_item=toy.k + 1), StaticInput("positions", per_item=toy.k + 1)],
+        group=dist.group.WORLD,
+    )
     tokens, positions = toy.batch(3)
     f.capture_all(tokens, positions, toy.meta)
     mgr = toy.meta.draft_kv_cache_manager
@@ -88,8 +94,8 @@ def scenario_refresh_fails_on_one_rank(rank: int, backend: str, device: str) -> 
 def scenario_tp_engine(rank: int, backend: str, device: str) -> dict:
     """TP=2 reference engine (column/row-parallel MLP, an all-reduce per layer inside the graph):
     drafts and acceptance equal the single-process engine's; the audit is clean per rank."""
-    from graphctl.models import EngineConfig, MTPEngine, graphed_step
-    from enginecases import STEPS
+    from graphctl.models import EngineConfig, MTPEngine
+    from support.engine import STEPS
 
     cfg = EngineConfig(draft_len=3, max_seqs=8, seed=21)
     prompts_seed = 4

@@ -1,0 +1,987 @@
+"""Every bad input graphctl refuses, as data: one row per error of docs/errors.md.
+
+``PYTHONPATH=tests python -m support.errors`` prints the table (with the message each case produces);
+``tests/unit/test_errors.py`` raises every case and checks the table is current."""
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from collections.abc import Callable
+
+import torch
+
+from graphctl import (
+    BindError,
+    CaptureError,
+    ConcurrentUseError,
+    CopyInPlace,
+    CorruptedStateError,
+    DeclarationError,
+    NestedSwitchError,
+    Pad,
+    Recompute,
+    Registry,
+    ReplayError,
+    Stable,
+    StaleBufferError,
+    StateSpec,
+    StaticInput,
+    Swap,
+    SwitchError,
+    bind,
+    graphed,
+)
+from support.mini import MiniMetadata, make_registry
+
+G = lambda: torch.Generator().manual_seed(1234)  # noqa: E731  (fixed: the table shows real messages)
+noop = lambda out, *xs: None  # noqa: E731
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    exc: type
+    when: str  # "declaration", "bind", "use"
+    trigger: str  # what the user did, for the table
+    run: Callable[[], object]
+    needs_cuda: bool = False  # raised only where CUDA exists; the table then shows `cuda_message`
+
+
+PINNED_MESSAGE = ("[h] _Obj.h: host buffer is not pinned: expected pinned memory, found pageable memory. "
+                  "Fix: allocate with pin_memory=True so copies are asynchronous")
+
+
+def _spec(*decls):
+    s = StateSpec("t")
+    for kind, name, kw in decls:
+        getattr(s, kind)(name, **kw)
+    return s
+
+
+def _register(spec, cls=None):
+    return Registry().register(cls or type("M", (), {}), spec)
+
+
+class _Obj:
+    pass
+
+
+def _bind(spec, **attrs):
+    o = _Obj()
+    for k, v in attrs.items():
+        setattr(o, k, v)
+    reg = Registry()
+    reg.register(_Obj, spec)
+    return bind(o, registry=reg)
+
+
+def _mini():
+    m = MiniMetadata(G())
+    return m, bind(m, registry=make_registry())
+
+
+def _enter(st, phase="eager"):
+    return st.switch("draft", phase).__enter__()
+
+
+def _nested():
+    m, st = _mini()
+    with st.switch("draft", "eager"):
+        _enter(st)
+
+
+def _poisoned():
+    m, st = _mini()
+    st._fault_hook = lambda stage, step, when: (
+        (_ for _ in ()).throw(RuntimeError("fault")) if stage == "restore" else None
+    )
+    try:
+        with st.switch("draft", "eager"):
+            pass
+    except CorruptedStateError:
+        pass
+    st.write("seq_lens", m.seq_lens.clone())
+
+
+def _write_inside(name, value):
+    m, st = _mini()
+    with st.switch("draft", "eager"):
+        st.write(name, value(m))
+
+
+def _stale():
+    m, st = _mini()
+    m.seq_lens[0] += 1
+    st.check()
+
+
+def _rebound():
+    m, st = _mini()
+    m.seq_lens = m.seq_lens.clone()
+    _enter(st)
+
+
+def _bad_source():
+    m, st = _mini()
+    m.draft_kv_cache_manager.pool_indices = m.draft_kv_cache_manager.pool_indices[:2]
+    _enter(st)
+
+
+def _restore_fails():
+    m, st = _mini()
+    st._fault_hook = lambda stage, step, when: (_ for _ in ()).throw(RuntimeError("device lost")) \
+        if stage == "restore" and step.startswith("snapshot") else None
+    with st.switch("draft", "eager"):
+        pass
+
+
+def _reentrant():
+    m, st = _mini()
+    st._user_hook = lambda label: st.switch("draft", "eager").__enter__()  # what a Recompute fn calling back does
+    st.write("seq_lens", m.seq_lens.clone())
+
+
+def _other_thread():
+    import threading
+
+    m, st = _mini()
+    err: list[BaseException] = []
+    with st.switch("draft", "eager"):
+        t = threading.Thread(target=lambda: _catch(err, lambda: st.write("seq_lens", m.seq_lens.clone())))
+        t.start()
+        t.join()
+    raise err[0]
+
+
+def _catch(into, fn):
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
+        into.append(exc)
+
+
+def _partial_snapshot():
+    import graphctl.ops as gops
+
+    m, st = _mini()
+    real = gops.swap_through_
+
+    def half(statics, arenas, sources, validate=True):
+        real(statics[:1], arenas[:1], sources[:1], validate=validate)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    gops.swap_through_ = half
+    try:
+        with st.switch("draft", "eager"):
+            pass
+    except RuntimeError:
+        pass
+    finally:
+        gops.swap_through_ = real
+    st.check()
+
+
+def _view_rebound():
+    m = MiniMetadata(G(), S=4, B=4)
+    st = bind(m, registry=make_registry())
+    m.block_offsets = m.block_offsets.t()
+    st.write("kv_lens", torch.ones(4, dtype=torch.int32))
+
+
+def _deleted():
+    m, st = _mini()
+    del m.kv_lens
+    st.pad({"seq": 1})
+
+
+def _frozen_changed():
+    r = graphed(lambda x, cfg: x * cfg["scale"], buckets=[2], inputs=["x"], backend="emulated", progress=False)
+    cfg = {"scale": 2.0}
+    r.capture_all(torch.ones(2, 3), cfg)
+    cfg["scale"] = 3.0
+    r(torch.ones(2, 3), cfg)
+
+
+def _side_effect_forward():
+    ring = torch.zeros(4)
+
+    def fwd(x):
+        ring.add_(1)  # state the forward keeps, undeclared
+        return x + ring.sum()
+    return fwd
+
+
+def _starred_not_a_sequence():
+    class Holder:
+        def __init__(self):
+            self.layers = 3
+
+    spec = StateSpec("starred")
+    spec.buffer("layers[*].keys", shape=(2,))
+    reg = Registry()
+    reg.register(Holder, spec)
+    bind(Holder(), registry=reg)
+
+
+def _runner(fn=None, capture=True, **kw):
+    """A small emulated runner over the mini metadata: x is the static input, meta frozen."""
+    m, st = _mini()
+    fn = fn or (lambda x, meta: x * 2 + meta.kv_lens[: x.shape[0], None].float())
+    opts = dict(buckets=[2, 4], state=st, inputs=["x"], backend="emulated", progress=False)
+    opts.update(kw)
+    r = graphed(fn, **opts)
+    x = torch.rand(3, 4, generator=G()) + 0.5
+    if capture:
+        r.capture_all(x, m)
+    return r, m, x
+
+
+def _small_engine():
+    from graphctl.models import EngineConfig, MTPEngine
+
+    return MTPEngine(EngineConfig(draft_len=2, max_seqs=2, layers=1, hidden=8))
+
+
+def _unknown_loop_mode():
+    from graphctl.models import graphed_step
+
+    graphed_step(_small_engine(), "sideways")
+
+
+def _loop_on_cpu():
+    from graphctl.models import graphed_step
+
+    graphed_step(_small_engine(), "device_loop", backend="emulated")
+
+
+def _loop_recorded():
+    from graphctl.graphs.conditional import DeviceLoop
+
+    loop = DeviceLoop(torch.device("cpu"))
+    flag = torch.zeros(1, dtype=torch.int32)
+    graphed(lambda x: loop.run(lambda: x.add_(1), lambda f, h: None, 2) or x, backend="emulated", buckets=[2],
+            progress=False, warmup_iters=0)(torch.ones(2, 2))
+    return flag
+
+
+def _agreed_switch_fails():
+    import tempfile
+
+    import torch.distributed as dist
+
+    from graphctl.graphs.distributed import Agreement, agreed_switch
+
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
+        try:
+            m, st = _mini()
+            m.draft_kv_cache_manager.pool_indices = m.draft_kv_cache_manager.pool_indices[:2]
+            with agreed_switch(st, "draft", Agreement(dist.group.WORLD), phase="eager"):
+                pass
+        finally:
+            dist.destroy_process_group()
+
+
+def _illegal_item():
+    def fn(x, meta):
+        if x.sum().item() > 0:  # a host read of a device value: illegal under capture
+            return x * 2
+        return x
+
+    _runner(fn)
+
+
+def _body_raises():
+    armed = [False]
+
+    def fn(x, meta):
+        if armed[0]:
+            raise ValueError("the forward's own error")
+        return x * 2
+
+    r, m, x = _runner(fn, capture=False)
+    armed[0] = True  # warmups passed; only the capture raises
+    r.warmup_iters = 0
+    r.capture_all(x, m)
+
+
+def _moved():
+    r, m, x = _runner()
+    m.kv_lens = m.kv_lens.clone()  # rebound, not written in place: the graph still reads the old one
+    r(x, m)
+
+
+def _write_refresh():
+    m, st = _mini()
+    with st.switch("draft", "refresh"):
+        st.write("seq_lens", T(5, dtype=I32))
+
+
+T = torch.zeros
+I32 = torch.int32
+CASES: list[Case] = [
+    # ---- declaration errors (StateSpec / register)
+    Case(
+        "decl-duplicate",
+        DeclarationError,
+        "declaration",
+        "the same name declared twice",
+        lambda: _spec(("buffer", "a", {}), ("buffer", "a", {})),
+    ),
+    Case(
+        "decl-override",
+        DeclarationError,
+        "declaration",
+        "redeclaring a parent entry without override=True",
+        lambda: StateSpec("c", extends=_spec(("buffer", "a", {}))).buffer("a"),
+    ),
+    Case(
+        "decl-frozen",
+        DeclarationError,
+        "declaration",
+        "adding to a registered spec",
+        lambda: _register(_spec(("buffer", "a", {}))).buffer("b"),
+    ),
+    Case(
+        "decl-axis",
+        DeclarationError,
+        "declaration",
+        "unknown axis name",
+        lambda: _spec(("buffer", "a", {"axis": "batch", "pad": Pad.zero()})),
+    ),
+    Case(
+        "decl-axis-no-pad",
+        DeclarationError,
+        "declaration",
+        "an axis without a padding policy",
+        lambda: _spec(("buffer", "a", {"axis": "seq"})),
+    ),
+    Case(
+        "decl-pad-no-axis",
+        DeclarationError,
+        "declaration",
+        "a padding policy without an axis",
+        lambda: _spec(("buffer", "a", {"pad": Pad.zero()})),
+    ),
+    Case("decl-pad-bounds", DeclarationError, "declaration", "Pad.clamp with lo > hi", lambda: Pad.clamp(5, 1)),
+    Case("decl-pad-kind", DeclarationError, "declaration", "an unknown padding kind", lambda: Pad("wrap")),
+    Case(
+        "decl-axis-dim",
+        DeclarationError,
+        "declaration",
+        "axis_dim outside the declared shape",
+        lambda: _spec(("buffer", "a", {"shape": ("S",), "axis": "seq", "axis_dim": 1, "pad": Pad.zero()})),
+    ),
+    Case(
+        "decl-readers",
+        DeclarationError,
+        "declaration",
+        "readers naming an unknown segment",
+        lambda: _spec(("buffer", "a", {"readers": {"prefill"}})),
+    ),
+    Case(
+        "decl-swap-missing-twin",
+        DeclarationError,
+        "declaration",
+        "Swap to an undeclared twin",
+        lambda: _register(_spec(("buffer", "a", {"draft": Swap("b")}))),
+    ),
+    Case(
+        "decl-swap-kind",
+        DeclarationError,
+        "declaration",
+        "Swap of a buffer to an object entry",
+        lambda: _register(_spec(("object", "b", {}), ("buffer", "a", {"draft": Swap("b")}))),
+    ),
+    Case(
+        "decl-swap-shape",
+        DeclarationError,
+        "declaration",
+        "a twin declared with another shape or dtype",
+        lambda: _register(
+            _spec(("buffer", "b", {"shape": ("S", "B2")}), ("buffer", "a", {"shape": ("S", "B"), "draft": Swap("b")}))
+        ),
+    ),
+    Case(
+        "decl-swap-self",
+        DeclarationError,
+        "declaration",
+        "Swap to itself",
+        lambda: _register(_spec(("buffer", "a", {"draft": Swap("a")}))),
+    ),
+    Case(
+        "decl-swap-chain",
+        DeclarationError,
+        "declaration",
+        "a twin that is itself swapped",
+        lambda: _register(
+            _spec(("buffer", "c", {}), ("buffer", "b", {"draft": Swap("c")}), ("buffer", "a", {"draft": Swap("b")}))
+        ),
+    ),
+    Case(
+        "decl-swap-shared-twin",
+        DeclarationError,
+        "declaration",
+        "two bases swapping to one twin",
+        lambda: _register(
+            _spec(("buffer", "t", {}), ("buffer", "a", {"draft": Swap("t")}), ("buffer", "b", {"draft": Swap("t")}))
+        ),
+    ),
+    Case(
+        "decl-swap-refresh",
+        DeclarationError,
+        "declaration",
+        "refresh= on a swapped buffer",
+        lambda: _spec(("buffer", "a", {"draft": Swap("b"), "refresh": CopyInPlace("s")})),
+    ),
+    Case(
+        "decl-recompute-arity",
+        DeclarationError,
+        "declaration",
+        "a Recompute fn that cannot take (out, *inputs)",
+        lambda: Recompute(["a", "b"], lambda out, a: None),
+    ),
+    Case(
+        "decl-recompute-input",
+        DeclarationError,
+        "declaration",
+        "Recompute of an undeclared input",
+        lambda: _register(_spec(("buffer", "d", {"derive": Recompute(["x"], noop)}))),
+    ),
+    Case(
+        "decl-cycle",
+        DeclarationError,
+        "declaration",
+        "Recompute inputs forming a cycle",
+        lambda: _register(
+            _spec(
+                ("buffer", "a", {"derive": Recompute(["b"], noop)}), ("buffer", "b", {"derive": Recompute(["a"], noop)})
+            )
+        ),
+    ),
+    Case(
+        "decl-refresh-target-reader",
+        DeclarationError,
+        "declaration",
+        "refresh= (CopyInPlace around replay) on a buffer the target segment reads",
+        lambda: _register(_spec(("buffer", "a", {"refresh": CopyInPlace("s")}))),
+    ),
+    Case(
+        "decl-refresh-dependent-reader",
+        DeclarationError,
+        "declaration",
+        "a derived buffer read by the target but recomputed from a replay refresh",
+        lambda: _register(
+            _spec(
+                ("buffer", "t", {"readers": {"draft"}, "refresh": CopyInPlace("s")}),
+                ("buffer", "d", {"derive": Recompute(["t"], noop)}),
+            )
+        ),
+    ),
+    Case(
+        "decl-derived-copy",
+        DeclarationError,
+        "declaration",
+        "a derived buffer also copied in place",
+        lambda: _spec(("buffer", "d", {"derive": Recompute(["x"], noop), "draft": CopyInPlace("s")})),
+    ),
+    Case(
+        "decl-derived-mutable",
+        DeclarationError,
+        "declaration",
+        "a derived buffer declared mutable",
+        lambda: _spec(("buffer", "d", {"derive": Recompute(["x"], noop), "mutable": True})),
+    ),
+    Case(
+        "decl-stable-mutable",
+        DeclarationError,
+        "declaration",
+        "a Stable buffer declared mutable",
+        lambda: _spec(("buffer", "a", {"draft": Stable(), "mutable": True})),
+    ),
+    Case(
+        "decl-alias-entry",
+        DeclarationError,
+        "declaration",
+        "an alias that is also declared as an entry",
+        lambda: _register(_spec(("buffer", "v", {}), ("buffer", "a", {"aliases": ("v",)}))),
+    ),
+    Case(
+        "decl-alias-two-bases",
+        DeclarationError,
+        "declaration",
+        "one alias declared for two bases",
+        lambda: _register(_spec(("buffer", "a", {"aliases": ("v",)}), ("buffer", "b", {"aliases": ("v",)}))),
+    ),
+    Case(
+        "decl-copy-chain",
+        DeclarationError,
+        "declaration",
+        "CopyInPlace reading a buffer that is copied in place",
+        lambda: _register(
+            _spec(("buffer", "s", {"draft": CopyInPlace("x")}), ("buffer", "a", {"draft": CopyInPlace("s")}))
+        ),
+    ),
+    Case(
+        "decl-object-action",
+        DeclarationError,
+        "declaration",
+        "CopyInPlace on an object entry",
+        lambda: _spec(("object", "m", {"draft": CopyInPlace("x")})),
+    ),
+    Case(
+        "decl-bad-recompute", DeclarationError, "declaration", "Recompute with no inputs", lambda: Recompute([], noop)
+    ),
+    Case(
+        "decl-register-twice",
+        DeclarationError,
+        "declaration",
+        "registering one type twice",
+        lambda: [r := Registry(), r.register(_Obj, _spec()), r.register(_Obj, _spec())],
+    ),
+    Case(
+        "decl-register-not-type",
+        DeclarationError,
+        "declaration",
+        "registering an instance instead of a type",
+        lambda: Registry().register(_Obj(), _spec()),
+    ),
+    # ---- bind errors
+    Case(
+        "bind-unregistered",
+        BindError,
+        "bind",
+        "binding an object whose type has no spec",
+        lambda: bind(_Obj(), registry=Registry()),
+    ),
+    Case(
+        "bind-missing",
+        BindError,
+        "bind",
+        "a declared attribute missing on the object",
+        lambda: _bind(_spec(("buffer", "a", {}))),
+    ),
+    Case(
+        "bind-not-tensor",
+        BindError,
+        "bind",
+        "a declared buffer holding a non-tensor",
+        lambda: _bind(_spec(("buffer", "a", {})), a=[1, 2]),
+    ),
+    Case(
+        "bind-dtype",
+        BindError,
+        "bind",
+        "dtype differing from the declaration",
+        lambda: _bind(_spec(("buffer", "a", {"dtype": torch.int32})), a=T(3, dtype=torch.int64)),
+    ),
+    Case(
+        "bind-rank",
+        BindError,
+        "bind",
+        "rank differing from the declared shape",
+        lambda: _bind(_spec(("buffer", "a", {"shape": ("S", "B")})), a=T(3)),
+    ),
+    Case(
+        "bind-dim",
+        BindError,
+        "bind",
+        "two buffers disagreeing on one dimension name",
+        lambda: _bind(_spec(("buffer", "a", {"shape": ("S",)}), ("buffer", "b", {"shape": ("S",)})), a=T(3), b=T(4)),
+    ),
+    Case(
+        "bind-host-device",
+        BindError,
+        "bind",
+        "host=True buffer not on the CPU",
+        lambda: _bind(_spec(("buffer", "a", {"host": True})), a=T(3, device="meta")),
+    ),
+    Case(
+        "bind-devices",
+        BindError,
+        "bind",
+        "device buffers on two devices",
+        lambda: _bind(_spec(("buffer", "a", {}), ("buffer", "b", {})), a=T(3), b=T(3, device="meta")),
+    ),
+    Case(
+        "bind-contiguous",
+        BindError,
+        "bind",
+        "a strided (non-contiguous) buffer",
+        lambda: _bind(_spec(("buffer", "a", {})), a=T(4, 2)[:, 0]),
+    ),
+    Case(
+        "bind-overlap",
+        BindError,
+        "bind",
+        "two buffers sharing bytes",
+        lambda: (lambda base: _bind(_spec(("buffer", "a", {}), ("buffer", "b", {})), a=base[:6], b=base[4:]))(T(10)),
+    ),
+    Case(
+        "bind-twin-shape",
+        BindError,
+        "bind",
+        "a twin allocated at another shape",
+        lambda: _bind(_spec(("buffer", "t", {}), ("buffer", "a", {"draft": Swap("t")})), a=T(4), t=T(5)),
+    ),
+    Case(
+        "bind-twin-same-object",
+        BindError,
+        "bind",
+        "an object swapped to the very same object",
+        lambda: (lambda o: _bind(_spec(("object", "t", {}), ("object", "m", {"draft": Swap("t")})), m=o, t=o))(_Obj()),
+    ),
+    Case(
+        "bind-alias",
+        BindError,
+        "bind",
+        "a declared alias that is not a view of its base",
+        lambda: _bind(_spec(("buffer", "a", {"aliases": ("v",)})), a=T(4), v=T(2)),
+    ),
+    Case(
+        "bind-undeclared-view",
+        BindError,
+        "bind",
+        "a live view of a swapped buffer not declared as alias",
+        lambda: (
+            lambda a: _bind(
+                _spec(("buffer", "t", {}), ("buffer", "a", {"draft": Swap("t")})), a=a, t=T(4), runtime=a[:2]
+            )
+        )(T(4)),
+    ),
+    Case(
+        "bind-source",
+        BindError,
+        "bind",
+        "a CopyInPlace source attribute of another shape",
+        lambda: _bind(_spec(("buffer", "a", {"draft": CopyInPlace("s")})), a=T(4), s=T(3)),
+    ),
+    Case(
+        "bind-pad-dtype",
+        BindError,
+        "bind",
+        "a padding value the buffer's dtype cannot hold (Pad.clamp(-3) on uint8)",
+        lambda: _bind(_spec(("buffer", "a", {"axis": "seq", "pad": Pad.clamp(-3)})), a=T(4, dtype=torch.uint8)),
+    ),
+    Case("bind-starred", BindError, "bind", "a `[*]` path over something without a length", _starred_not_a_sequence),
+    Case(
+        "bind-host-pinned",
+        BindError,
+        "bind",
+        "a host buffer in pageable memory on a CUDA state (GPU only)",
+        lambda: _bind(_spec(("buffer", "a", {}), ("buffer", "h", {"host": True})), a=T(3, device="cuda"), h=T(3)),
+        needs_cuda=True,
+    ),
+    # ---- use errors
+    Case("use-role", SwitchError, "use", "switch() to an unknown role", lambda: _mini()[1].switch("target")),
+    Case(
+        "use-phase", SwitchError, "use", "switch() with an unknown phase", lambda: _mini()[1].switch("draft", "warmup")
+    ),
+    Case("use-nested", NestedSwitchError, "use", "a switch inside an active switch on the same state", _nested),
+    Case(
+        "use-reentrant",
+        NestedSwitchError,
+        "use",
+        "a switch issued from inside a Recompute fn or CopyInPlace source",
+        _reentrant,
+    ),
+    Case(
+        "use-thread",
+        ConcurrentUseError,
+        "use",
+        "a write from a second thread while a switch owns the state",
+        _other_thread,
+    ),
+    Case(
+        "use-partial-snapshot",
+        CorruptedStateError,
+        "use",
+        "the fused snapshot raising partway (then any use)",
+        _partial_snapshot,
+    ),
+    Case(
+        "use-copy",
+        SwitchError,
+        "use",
+        "copy.copy, deepcopy or pickle of a bound state",
+        lambda: __import__("copy").copy(_mini()[1]),
+    ),
+    Case(
+        "use-view-rebound",
+        SwitchError,
+        "use",
+        "a buffer attribute rebound to a view at the same address (a transpose)",
+        _view_rebound,
+    ),
+    Case("use-deleted", SwitchError, "use", "`del` of a declared attribute", _deleted),
+    Case("use-poisoned", CorruptedStateError, "use", "any use after a failed restore", _poisoned),
+    Case("use-restore-failed", CorruptedStateError, "use", "a restore step failing at switch exit", _restore_fails),
+    Case(
+        "use-write-unknown", SwitchError, "use", "write() to an undeclared name", lambda: _mini()[1].write("nope", T(1))
+    ),
+    Case(
+        "use-write-object",
+        SwitchError,
+        "use",
+        "write() to an object entry",
+        lambda: _mini()[1].write("kv_cache_manager", T(1)),
+    ),
+    Case(
+        "use-write-derived",
+        SwitchError,
+        "use",
+        "write() to a derived buffer",
+        lambda: (lambda m, s: s.write("req_idx_per_token", m.req_idx_per_token.clone()))(*_mini()),
+    ),
+    Case("use-write-not-tensor", SwitchError, "use", "write() of a list", lambda: _mini()[1].write("seq_lens", [1])),
+    Case(
+        "use-write-dtype",
+        SwitchError,
+        "use",
+        "write() of another dtype",
+        lambda: _mini()[1].write("seq_lens", T(5, dtype=torch.int64)),
+    ),
+    Case(
+        "use-write-device",
+        SwitchError,
+        "use",
+        "write() from another device",
+        lambda: _mini()[1].write("seq_lens", T(5, dtype=I32, device="meta")),
+    ),
+    Case(
+        "use-write-shape",
+        SwitchError,
+        "use",
+        "write() longer than the buffer",
+        lambda: _mini()[1].write("seq_lens", T(6, dtype=I32)),
+    ),
+    Case(
+        "use-write-not-mutable",
+        SwitchError,
+        "use",
+        "write() inside a switch to a buffer not declared mutable",
+        lambda: _write_inside("spec_positions", lambda m: m.spec_positions.clone()),
+    ),
+    Case("use-rebound", SwitchError, "use", "a buffer attribute reallocated after bind()", _rebound),
+    Case("use-source", SwitchError, "use", "a callable CopyInPlace source returning the wrong shape", _bad_source),
+    Case(
+        "use-pad-inside",
+        SwitchError,
+        "use",
+        "pad() inside a switch",
+        lambda: [st := _mini()[1], _enter(st), st.pad({"seq": 1})],
+    ),
+    Case(
+        "use-pad-count", SwitchError, "use", "pad() with a count beyond the buffer", lambda: _mini()[1].pad({"seq": 99})
+    ),
+    Case("use-stale", StaleBufferError, "use", "an input written behind graphctl's back (debug check)", _stale),
+    Case("use-write-refresh", SwitchError, "use", "write() inside the runner's refresh switch", _write_refresh),
+    # ---- graph errors (@graphed / GraphRunner)
+    Case(
+        "graph-buckets",
+        DeclarationError,
+        "declaration",
+        "buckets that are not positive ints",
+        lambda: graphed(lambda x: x, buckets=[0, 2]),
+    ),
+    Case(
+        "graph-fallback",
+        DeclarationError,
+        "declaration",
+        "an unknown fallback policy",
+        lambda: graphed(lambda x: x, fallback="silent"),
+    ),
+    Case(
+        "graph-input-name",
+        DeclarationError,
+        "declaration",
+        "inputs= naming no parameter of the forward",
+        lambda: graphed(lambda x: x, inputs=["ids"]),
+    ),
+    Case(
+        "graph-per-item",
+        DeclarationError,
+        "declaration",
+        "StaticInput with per_item < 1",
+        lambda: StaticInput("ids", per_item=0),
+    ),
+    Case(
+        "graph-state-attr",
+        DeclarationError,
+        "declaration",
+        "state='attr' on a plain function (not a method)",
+        lambda: graphed(lambda x: x, state="meta", backend="emulated", progress=False)(torch.rand(2, 3, generator=G())),
+    ),
+    Case(
+        "graph-no-input",
+        DeclarationError,
+        "declaration",
+        "a forward with no tensor argument",
+        lambda: graphed(lambda n: n, backend="emulated", progress=False)(3),
+    ),
+    Case(
+        "graph-input-not-tensor",
+        DeclarationError,
+        "declaration",
+        "inputs= naming a non-tensor argument",
+        lambda: graphed(lambda x, n: x, inputs=["n"], backend="emulated", progress=False)(
+            torch.rand(2, generator=G()), 3
+        ),
+    ),
+    Case(
+        "graph-input-rank",
+        DeclarationError,
+        "declaration",
+        "a static input without its batch dimension",
+        lambda: graphed(lambda x: x, inputs=[StaticInput("x", dim=1)], backend="emulated", progress=False)(
+            torch.rand(2, generator=G())
+        ),
+    ),
+    Case("graph-backend", CaptureError, "capture", "an unknown backend name", lambda: _runner(backend="tpu")),
+    Case(
+        "graph-backend-cuda",
+        CaptureError,
+        "capture",
+        "backend='cuda' for inputs on the CPU",
+        lambda: _runner(backend="cuda"),
+    ),
+    Case("capture-illegal", CaptureError, "capture", "`.item()` in the forward (emulated backend)", _illegal_item),
+    Case("capture-raised", CaptureError, "capture", "the forward raising during capture (cause chained)", _body_raises),
+    Case(
+        "graph-side-effects-policy",
+        DeclarationError,
+        "declaration",
+        "an unknown side_effects policy",
+        lambda: graphed(lambda x: x, side_effects="undo"),
+    ),
+    Case(
+        "capture-side-effects",
+        CaptureError,
+        "capture",
+        "side_effects='error' and a forward writing state graphctl does not own",
+        lambda: graphed(
+            _side_effect_forward(), buckets=[2], inputs=["x"], backend="emulated", progress=False, side_effects="error"
+        ).capture_all(torch.ones(2, 3)),
+    ),
+    Case(
+        "capture-side-effects-cap",
+        CaptureError,
+        "capture",
+        "side effects larger than max_side_effect_bytes",
+        lambda: graphed(
+            _side_effect_forward(),
+            buckets=[2],
+            inputs=["x"],
+            backend="emulated",
+            progress=False,
+            max_side_effect_bytes=8,
+        ).capture_all(torch.ones(2, 3)),
+    ),
+    Case(
+        "capture-twice",
+        CaptureError,
+        "capture",
+        "capture_all() on a runner that holds graphs",
+        lambda: (lambda r, m, x: r.capture_all(x, m))(*_runner()),
+    ),
+    Case(
+        "measure-early",
+        CaptureError,
+        "capture",
+        "measure() before any capture",
+        lambda: _runner(capture=False)[0].measure(),
+    ),
+    Case(
+        "verify-early",
+        CaptureError,
+        "capture",
+        "verify() before any capture",
+        lambda: _runner(capture=False)[0].verify(),
+    ),
+    Case(
+        "replay-too-large",
+        ReplayError,
+        "replay",
+        "a batch larger than the largest bucket",
+        lambda: (lambda r, m, x: r(torch.ones(5, 4), m))(*_runner()),
+    ),
+    Case(
+        "replay-batch",
+        ReplayError,
+        "replay",
+        "a first input whose rows are not whole batch items",
+        lambda: graphed(lambda x: x, inputs=[StaticInput("x", per_item=4)], backend="emulated", progress=False)(
+            torch.rand(6, generator=G())
+        ),
+    ),
+    Case(
+        "replay-fit",
+        ReplayError,
+        "replay",
+        "a live input of another dtype or shape",
+        lambda: (lambda r, m, x: r(torch.ones(3, 5), m))(*_runner()),
+    ),
+    Case(
+        "replay-frozen",
+        ReplayError,
+        "replay",
+        "another object for a frozen (non-input) argument",
+        lambda: (lambda r, m, x: r(x, _mini()[0]))(*_runner()),
+    ),
+    Case(
+        "replay-frozen-changed",
+        ReplayError,
+        "replay",
+        "a dict passed as a frozen argument, changed in place",
+        _frozen_changed,
+    ),
+    Case("replay-moved", ReplayError, "replay", "a static buffer rebound after capture (manifest check)", _moved),
+    Case("loop-mode", DeclarationError, "capture", "an unknown draft-loop mode", _unknown_loop_mode),
+    Case("loop-needs-cuda", CaptureError, "capture", "mode='device_loop' on the emulated backend", _loop_on_cpu),
+    Case("loop-recorded", CaptureError, "capture", "a device loop run under the emulated recorder", _loop_recorded),
+    Case(
+        "agreed-switch",
+        SwitchError,
+        "replay",
+        "a refresh failing on one rank of a group (here a group of one)",
+        _agreed_switch_fails,
+    ),
+    Case(
+        "dot-emulated",
+        ReplayError,
+        "inspect",
+        "DOT export of an emulated graph",
+        lambda: (lambda r, m, x: r.dot(2, "/tmp/graphctl-never.dot"))(*_runner()),
+    ),
+]
+
+
+def message(case: Case) -> str:
+    if case.needs_cuda and not torch.cuda.is_available():
+        return PINNED_MESSAGE
+    try:
+        case.run()
+    except case.exc as e:
+        return str(e)
+    raise AssertionError(f"{case.id}: {case.exc.__name__} not raised")
+
+
+def table() -> str:
+    lines = ["# graphctl errors", "",
+             "Every bad input graphctl refuses, with the exception and the message it produces (generated by "
+             "`PYTHONPATH=tests python -m support.errors`; `tests/unit/test_errors.py` raises each row and fails "
+             "if this table is out of date). Declaration errors come from `StateSpec`/`register`, bind errors "
+             "from `bind`, use errors from `switch`, `write`, `pad` and `check`; graph declaration errors from "
+             "`@graphed`/`StaticInput`, capture errors from `capture_all` (or the first call), replay errors "
+             "from a call of a "
+             "graphed function. Every error has the fields `buffer`, `expected`, `found` and `fix`.", "",
+             "| id | when | exception | trigger | message |", "|---|---|---|---|---|"]
+    for c in CASES:
+        msg = re.sub(r"0x[0-9a-f]+", "0x…", message(c)).replace("|", "\\|").replace("\n", " ")  # addresses vary
+        lines.append(f"| `{c.id}` | {c.when} | `{c.exc.__name__}` | {c.trigger} | {msg} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(table())
