@@ -78,6 +78,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("arch_list", "TORCH_CUDA_ARCH_LIST", str, "9.0a;10.0a", "build",
          "CUDA architectures to compile for (torch's own variable); graphctl's default targets "
          "H100/H200 (`9.0a`) and B200 (`10.0a`)."),
+    Knob("bypass_window", "GRAPHCTL_BYPASS_WINDOW", int, 64, "runtime",
+         "A runner with graphs whose last this-many calls all ran eagerly logs one warning (and `report()` says "
+         "`bypassed`): captured graphs that serve nothing are a silent slowdown. 0 turns the warning off."),
     Knob("hypothesis_profile", "GRAPHCTL_HYPOTHESIS_PROFILE", _parse_choice("ci", "thorough", "dev"),
          "ci", "test",
          "Hypothesis profile for `graphctl.testing`'s machines and `tests/property`: `ci` (200 examples "

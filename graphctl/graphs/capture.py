@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from graphctl.errors import DeclarationError
+from graphctl.errors import DeclarationError, ReplayError
 from graphctl.graphs.analysis.nodes import Region
 from graphctl.graphs.backends import GraphBackend, select_backend
 from graphctl.graphs.calls import Signature
@@ -93,6 +93,21 @@ class Fixed:
     def input_addresses(self) -> dict[str, int]:
         # every bucket's view starts at its static buffer's first byte
         return {f"input:{slot.spec.name}": slot.static.data_ptr() for slot in self.slots}
+
+    def check_manifest(self, cap: Captured, state: BoundState | None) -> None:
+        """Raise ``ReplayError`` naming the first static buffer (input or declared) whose address
+        moved since ``cap`` was captured; mark ``cap`` checked otherwise."""
+        live = self.input_addresses()
+        if state is not None:
+            live.update(state.live_addresses())
+        for name, want in cap.manifest.items():
+            got = live.get(name)
+            if got != want:
+                raise ReplayError("static buffer moved since capture", buffer=name, expected=f"{want:#x}",
+                                  found="not a tensor" if got is None else f"{got:#x}",
+                                  fix="write into the buffer in place (state.write / copy_) instead of rebinding "
+                                      "it, or reset() and capture again")
+        cap.checked = True
 
     def head(self, arguments: dict[str, Any], m: int) -> dict[str, torch.Tensor]:
         """The example's static inputs cut to their first ``m`` items, in input order."""

@@ -21,7 +21,7 @@ class Captured:
     """One bucket's graph and everything its replay relies on."""
 
     __slots__ = ("graph", "out_flat", "out_spec", "out_rows", "single", "manifest", "segments", "draft",
-                 "checked", "capture_ms", "replays", "replay_us", "eager_us", "_sliced")
+                 "checked", "capture_ms", "replays", "eager_runs", "replay_us", "eager_us", "_sliced")
 
     def __init__(self, graph, out, bucket: int, manifest: dict[str, int], segments: tuple[Segment, ...],
                  capture_ms: float, per_items: frozenset[int]) -> None:
@@ -41,6 +41,7 @@ class Captured:
         self.checked = False
         self.capture_ms = capture_ms
         self.replays = 0
+        self.eager_runs = 0  # calls of this bucket's size that fell back to eager
         self.replay_us: float | None = None
         self.eager_us: float | None = None
         self._sliced: dict[int, Any] = {}

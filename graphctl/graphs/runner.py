@@ -118,6 +118,7 @@ class GraphRunner:
         self._fixed: Fixed | None = None  # None: nothing captured (see graphs/capture.py)
         self._graphs: dict[int, Captured] = {}
         self._fallbacks: dict[str, int] = {}
+        self._streak = 0  # calls since the last replay, all eager (a bypassed runner: see _unservable)
         self.workspaces: tuple[Region, ...] = ()
 
     @property
@@ -222,6 +223,7 @@ class GraphRunner:
     def reset(self) -> None:
         """Drop every graph (and the static inputs); the next call captures again."""
         self._graphs = {}
+        self._streak = 0
         self._ledger.clear()
         self._fixed = None
         self.workspaces = ()
@@ -245,22 +247,24 @@ class GraphRunner:
                                   expected=f"1 <= n <= {self.buckets.largest} on every rank",
                                   found=f"largest n over ranks = {agreed}", fix="add a larger bucket")
         if err is not None:
-            return self._unservable(args, kwargs, err)
+            return self._unservable(args, kwargs, err, n)
         bucket = self.buckets.pick(agreed)
         cap = self._graphs[bucket]
         if self.state is not None:
             self.state.check_usable()  # a poisoned state never replays, with or without a refresh
         if not cap.checked or knobs.check_manifest:  # before loading: never pad into a moved buffer
-            self._check_manifest(cap)
+            self._fixed.check_manifest(cap, self.state)
         self._load(lives, n, bucket)
         self._replay(cap)
+        self._streak = 0
         return cap.outputs(n)
 
     def _check_call(self, n: int, lives: list[Any], args: tuple, kwargs: dict) -> ReplayError | None:
         """Why this rank cannot replay this call, or None."""
         if self.buckets.pick(n) is None:
             return ReplayError("batch size outside the captured buckets", expected=f"1 <= n <= {self.buckets.largest}",
-                               found=f"n = {n}", fix="add a larger bucket, split the batch, or pass fallback='eager'")
+                               found=f"n = {n}", fix="add a larger bucket or split the batch" +
+                               (", or pass fallback='eager'" if self.fallback == "error" else ""))
         for slot, live in zip(self._fixed.slots, lives):
             if not slot.fits(live, n):
                 return slot.spec.check(live, slot.static, n)
@@ -280,27 +284,23 @@ class GraphRunner:
             cap.graph.replay()
         cap.replays += 1
 
-    def _unservable(self, args: tuple, kwargs: dict, err: ReplayError) -> Any:
+    def _unservable(self, args: tuple, kwargs: dict, err: ReplayError, n: int) -> Any:
         if self.fallback == "error":
             raise err
         # counted by kind (err.what: "batch size outside the captured buckets"), logged in full
         reason = f"[{err.buffer}] {err.what}" if err.buffer else err.what
         self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
-        log.warning("graphctl: %s runs eagerly: %s", getattr(self.fn, "__qualname__", self.fn), err)
+        cap = self._graphs.get(self.buckets.pick(n) or 0)
+        if cap is not None:
+            cap.eager_runs += 1
+        self._streak += 1
+        name = getattr(self.fn, "__qualname__", self.fn)
+        log.warning("graphctl: %s runs eagerly: %s", name, err)
+        if self._streak == knobs.bypass_window:  # once per streak: graphs that serve nothing are a silent slowdown
+            log.warning("graphctl: %s: the last %d calls all ran eagerly, its %d graphs serve nothing (most frequent "
+                        "reason: %s); see report()", name, self._streak, len(self._graphs),
+                        max(self._fallbacks, key=self._fallbacks.__getitem__))
         return self.fn(*args, **kwargs)
-
-    def _check_manifest(self, cap: Captured) -> None:
-        live = self._fixed.input_addresses()
-        if self.state is not None:
-            live.update(self.state.live_addresses())
-        for name, want in cap.manifest.items():
-            got = live.get(name)
-            if got != want:
-                raise ReplayError("static buffer moved since capture", buffer=name, expected=f"{want:#x}",
-                                  found="not a tensor" if got is None else f"{got:#x}",
-                                  fix="write into the buffer in place (state.write / copy_) instead of rebinding "
-                                      "it, or reset() and capture again")
-        cap.checked = True
 
     # ------------------------------------------------------- what a capture says about itself
 
@@ -430,11 +430,12 @@ class GraphRunner:
         """Per bucket: capture ms, pool bytes, nodes, segments, replay/eager µs (see ``report`` module)."""
         be = self._fixed.backend if self._fixed is not None else None
         rows = tuple(BucketReport(b, c.capture_ms, c.graph.pool_bytes, c.graph.node_count, c.replay_us, c.eager_us,
-                                  c.replays, c.segments) for b, c in sorted(self._graphs.items()))
+                                  c.replays, c.segments, c.eager_runs) for b, c in sorted(self._graphs.items()))
         device = str(be.device) if be is not None else "-"
         if be is not None and be.device.type == "cuda":
             device = f"{device} ({torch.cuda.get_device_name(be.device)})"
         effects = tuple(dict(path=e.path, op=e.op, where=e.where, nbytes=e.nbytes, policy=self.side_effect_policy)
                         for e in self.side_effects)
         return Report(getattr(self.fn, "__qualname__", repr(self.fn)), be.name if be is not None else "-", device,
-                      torch.__version__, rows, dict(self._fallbacks), effects)
+                      torch.__version__, rows, dict(self._fallbacks), effects, self._streak,
+                      bool(self._graphs) and 0 < knobs.bypass_window <= self._streak)

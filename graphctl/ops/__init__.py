@@ -65,7 +65,7 @@ def copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], *, validate:
 def fingerprint(bufs: Sequence[torch.Tensor]) -> torch.Tensor:
     """int64 hash per buffer (on the buffers' device with the extension, CPU otherwise)."""
     if not bufs:
-        return torch.empty(0, dtype=torch.int64)
+        return torch.empty(0, dtype=torch.int64, device="cpu")
     if uses_extension():
         return torch.ops.graphctl.fingerprint(bufs)
     return reference.fingerprint(bufs)

@@ -99,11 +99,11 @@ def fingerprint(bufs: Sequence[torch.Tensor]) -> torch.Tensor:
         if n:
             pad = (-n) % 8
             words = torch.cat([raw, raw.new_zeros(pad)]).view(torch.int64)
-            idx = torch.arange(1, words.numel() + 1, dtype=torch.int64)
+            idx = torch.arange(1, words.numel() + 1, dtype=torch.int64, device="cpu")
             terms = _mix64(words ^ _mix64(idx))
             h = (h + sum(int(v) & _MASK64 for v in terms.tolist())) & _MASK64
         out.append(_i64(h))
-    return torch.tensor(out, dtype=torch.int64)
+    return torch.tensor(out, dtype=torch.int64, device="cpu")
 
 
 def token_to_request_(out: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, pad_value: int) -> None:

@@ -3,17 +3,21 @@
 ``runner.report()`` returns a :class:`Report`; ``str(report)`` is a table, ``report.to_dict()``
 the JSON form documented in ``docs/user-guide.md`` (``schema`` names its version)::
 
-    {"schema": "graphctl.report/1", "function": "...", "backend": "cuda" | "emulated",
+    {"schema": "graphctl.report/2", "function": "...", "backend": "cuda" | "emulated",
      "device": "...", "torch": "...", "fallbacks": {"<reason>": count},
+     "eager_streak": 0, "bypassed": false,
      "buckets": [{"bucket": 8, "capture_ms": 12.5, "pool_bytes": 2097152, "nodes": 41,
-                  "replay_us": 31.0 | null, "eager_us": 212.0 | null, "replays": 3,
+                  "replay_us": 31.0 | null, "eager_us": 212.0 | null, "replays": 3, "eager_runs": 0,
                   "segments": [{"name": "target", "start": 0, "end": 30}, ...]}],
      "side_effects": [{"path": "cache.layers[0].keys", "op": "aten::index_copy_",
                        "where": "cache_utils.py:487", "nbytes": 32768, "policy": "restore"}]}
 
 ``nodes`` and segment bounds count graph nodes (CUDA) or recorded ops (emulated); -1 where
 cuda-bindings is missing. ``replay_us``/``eager_us`` are medians from ``runner.measure()``,
-null until it ran.
+null until it ran. ``eager_runs`` counts the calls of a bucket's size that fell back to eager;
+``eager_streak`` the calls since the last replay that all ran eagerly, and ``bypassed`` is true
+once it reaches ``GRAPHCTL_BYPASS_WINDOW`` (the graphs are captured but serve nothing).
+(``/2`` added ``eager_runs``, ``eager_streak`` and ``bypassed`` to ``/1``.)
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from typing import Any
 
 __all__ = ["Segment", "BucketReport", "Report", "SCHEMA"]
 
-SCHEMA = "graphctl.report/1"
+SCHEMA = "graphctl.report/2"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,6 +50,7 @@ class BucketReport:
     eager_us: float | None
     replays: int
     segments: tuple[Segment, ...]
+    eager_runs: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,6 +64,8 @@ class Report:
     # what the forward writes that graphctl does not own (graphs/effects.py): path, op, where,
     # bytes, and the policy applied (restore, error, ignore)
     side_effects: tuple[dict[str, Any], ...] = ()
+    eager_streak: int = 0  # calls since the last replay, all eager
+    bypassed: bool = False  # eager_streak reached the bypass window: the graphs serve nothing
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -72,13 +79,14 @@ class Report:
         from rich.table import Table
 
         t = Table(title=f"{self.function}: {self.backend} graphs on {self.device} (torch {self.torch})")
-        for col in ("bucket", "capture ms", "pool MiB", "nodes", "segments", "replay us", "eager us", "speedup"):
+        for col in ("bucket", "capture ms", "pool MiB", "nodes", "segments", "replay us", "eager us", "speedup",
+                    "replays", "eager runs"):
             t.add_column(col, justify="right" if col != "segments" else "left")
         for b in self.buckets:
             speed = f"{b.eager_us / b.replay_us:.2f}x" if b.replay_us and b.eager_us else "-"
             segs = " ".join(f"{s.name}:{s.end - s.start}" for s in b.segments)
             t.add_row(str(b.bucket), f"{b.capture_ms:.1f}", f"{b.pool_bytes / 2**20:.2f}", str(b.nodes), segs,
-                      _us(b.replay_us), _us(b.eager_us), speed)
+                      _us(b.replay_us), _us(b.eager_us), speed, str(b.replays), str(b.eager_runs))
         return t
 
     def __str__(self) -> str:
@@ -86,6 +94,9 @@ class Report:
 
         buf = io.StringIO()
         Console(file=buf, width=120, color_system=None).print(self.table())
+        if self.bypassed:
+            buf.write(f"warning: the last {self.eager_streak} calls all ran eagerly: the graphs are captured but "
+                      "bypassed (see the fallbacks below)\n")
         if self.fallbacks:
             buf.write("eager fallbacks: " + "; ".join(f"{r} (x{c})" for r, c in self.fallbacks.items()) + "\n")
         for e in self.side_effects:

@@ -69,16 +69,19 @@ class VerifyResult:
 
 
 def _like(example: torch.Tensor, rows: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+    # drawn on the CPU with the CPU generator, in explicit dtypes, then moved: never from the
+    # global defaults (torch.set_default_device("cuda") or a float64 default must not matter)
     shape = list(example.shape)
     shape[dim] = rows
     if example.dtype.is_floating_point:
         std = float(example.float().std()) if example.numel() > 1 else 1.0
-        v = torch.randn(shape, generator=gen) * (std or 1.0) + float(example.float().mean())
+        v = torch.randn(shape, generator=gen, device="cpu", dtype=torch.float32) * (std or 1.0)
+        v = v + float(example.float().mean())
     elif example.dtype == torch.bool:
-        v = torch.randint(0, 2, shape, generator=gen).bool()
+        v = torch.randint(0, 2, shape, generator=gen, device="cpu").bool()
     else:
         lo, hi = int(example.min()), int(example.max())
-        v = torch.randint(lo, hi + 1, shape, generator=gen)
+        v = torch.randint(lo, hi + 1, shape, generator=gen, device="cpu", dtype=torch.int64)
     return v.to(example.dtype).to(example.device)
 
 
@@ -99,13 +102,13 @@ def _first_difference(want: torch.Tensor, got: torch.Tensor, rtol: float, atol: 
 def verify(runner: Verifiable, *, gen: torch.Generator | None = None, rtol: float = 1e-5,
            atol: float = 1e-5) -> tuple[VerifyResult, ...]:
     arguments = runner.example_arguments()  # raises CaptureError when nothing is captured
-    gen = gen or torch.Generator().manual_seed(0)
+    gen = gen or torch.Generator(device="cpu").manual_seed(0)
     sizes = runner.captured
     results = []
     for i, b in enumerate(sizes):
         lo = sizes[i - 1] + 1 if i else 1
         # n == b, and an n strictly inside the bucket (padding live) wherever one exists
-        ns = [b] if lo >= b else [int(torch.randint(lo, b, (1,), generator=gen)), b]
+        ns = [b] if lo >= b else [int(torch.randint(lo, b, (1,), generator=gen, device="cpu")), b]
         for n in ns:
             lives = {si.name: _like(arguments[si.name], n * si.per_item, si.dim, gen) for si in runner.inputs}
             args, kwargs = runner.assemble({**arguments, **lives})

@@ -22,6 +22,7 @@ graphctl's own ops are recorded as single ops.
 from __future__ import annotations
 
 import gc
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -223,6 +224,42 @@ def _leaves(v: Any, containers: set[int]) -> list[Any]:
     return [v]
 
 
+class _LooksLikeCapture:
+    """While the recorder runs, the stream-capture queries libraries ask before skipping host-side
+    checks (transformers' ``is_tracing()`` calls ``torch.cuda.is_current_stream_capturing()``)
+    answer as under a CUDA capture: True, in the recording thread only. Installed on entry of the
+    first recording, the originals put back when the last one ends."""
+
+    _lock = threading.Lock()
+    _threads: dict[int, int] = {}  # thread id -> recording depth
+    _saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        with self._lock:
+            if not self._threads:
+                original = torch.cuda.is_current_stream_capturing
+
+                def is_current_stream_capturing() -> bool:
+                    return threading.get_ident() in _LooksLikeCapture._threads or original()
+
+                for owner in (torch.cuda, torch.cuda.graphs):
+                    self._saved.append((owner, "is_current_stream_capturing", owner.is_current_stream_capturing))
+                    owner.is_current_stream_capturing = is_current_stream_capturing
+            self._threads[me] = self._threads.get(me, 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        me = threading.get_ident()
+        with self._lock:
+            depth = self._threads.pop(me) - 1
+            if depth:
+                self._threads[me] = depth
+            if not self._threads:
+                while self._saved:
+                    owner, name, fn = self._saved.pop()
+                    setattr(owner, name, fn)
+
+
 class EmulatedBackend:
     """Runs anywhere; what CI tests capture semantics with. See :class:`CudaBackend` for the
     interface both backends share."""
@@ -247,7 +284,7 @@ class EmulatedBackend:
         """Record ``body(mark)``, where ``mark()`` is the number of ops recorded so far."""
         rec = _Recorder()
         try:
-            with recording(), rec:
+            with recording(), _LooksLikeCapture(), rec:
                 out = body(lambda: len(rec.ops))
         except CaptureError as exc:
             exc.add_note(f"graphctl: capture of bucket {bucket} dropped; nothing replayable was kept")
