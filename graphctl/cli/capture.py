@@ -236,6 +236,11 @@ def run_capture(args) -> int:
         con.print("emulated graphs re-run every recorded op from Python: replay is not faster than eager here; "
                   "the timing columns mean something on CUDA")
     con.print(_coverage_table(rows))
+    for h in report.host_changes:  # host values the warmups and capture changed (graphs/hoststate.py)
+        con.print(escape(f"host state changed by warmup/capture ({h['policy']}): {h['path']} {h['before']!r} -> "
+                         f"{h['after']!r}"))
+    if report.bypassed:
+        con.print(f"[yellow]the last {report.eager_streak} calls all ran eagerly: the graphs are bypassed")
     for e in report.side_effects:  # what the forward writes that graphctl does not own
         con.print(escape(f"side effect ({e['policy']}): {e['path']} ({e['nbytes']:,} B) written by {e['op']} "
                          f"at {e['where']}"))

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from graphctl.errors import DeclarationError, ReplayError
+from graphctl.graphs import hoststate
 from graphctl.graphs.analysis.nodes import Region
 from graphctl.graphs.backends import GraphBackend, select_backend
 from graphctl.graphs.calls import Signature
@@ -129,10 +130,31 @@ class Passes:
     call_args: Callable[[dict[str, Any], int], tuple[tuple, dict]]  # the forward's call on a bucket's views
     manifest: Callable[[], dict[str, int]]
     progress: bool | None
+    host_policy: str = "warn"  # host_state= (graphs/hoststate.py)
 
 
-def capture_buckets(p: Passes, arguments: dict[str, Any]) -> tuple[dict[int, Captured], tuple[Region, ...]]:
-    """Both passes (see the module docstring): the captured buckets and the warmup workspaces."""
+def capture_buckets(p: Passes, arguments: dict[str, Any]) \
+        -> tuple[dict[int, Captured], tuple[Region, ...], list[hoststate.HostChange]]:
+    """Both passes (see the module docstring): the captured buckets, the warmup workspaces, and
+    the host values the passes changed (``graphs/hoststate.py``, its policy applied)."""
+    roots = roots_of(p.fn, arguments, p.params)
+    host_before = hoststate.take(roots)
+    try:
+        graphs, workspaces = _passes(p, arguments)
+    finally:  # whatever happened, the host values are compared (and, by policy, put back)
+        found = hoststate.changes(host_before, hoststate.take(roots))
+        if found and p.host_policy != "warn":
+            hoststate.put_back(host_before, found)
+    if found:
+        if p.host_policy == "error":
+            raise hoststate.refuse(found)
+        log.warning("graphctl: %s: warmup and capture changed host state the graph may have baked%s: %s",
+                    getattr(p.fn, "__qualname__", p.fn), " (put back)" if p.host_policy == "restore" else "",
+                    "; ".join(map(str, found)))
+    return graphs, workspaces, found
+
+
+def _passes(p: Passes, arguments: dict[str, Any]) -> tuple[dict[int, Captured], tuple[Region, ...]]:
     fx, be = p.fixed, p.fixed.backend
     order = sorted(p.buckets.sizes, reverse=True)
     graphs: dict[int, Captured] = {}

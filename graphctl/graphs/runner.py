@@ -50,6 +50,8 @@ from graphctl.graphs.capture import Fixed, Passes, capture_buckets
 from graphctl.graphs.captured import Captured
 from graphctl.graphs.distributed import Agreement, agreed_switch
 from graphctl.graphs.effects import Ledger, SideEffect
+from graphctl.graphs.hoststate import HostChange
+from graphctl.graphs.hoststate import check_policy as check_host_policy
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
 from graphctl.knobs import knobs
 from graphctl.state import BoundState, bind
@@ -82,15 +84,18 @@ class GraphRunner:
                  inputs: Sequence[str | StaticInput] | None = None, backend: str = "auto", fallback: str = "error",
                  pad_axes: Mapping[str, int] | None = None, warmup_iters: int = 2, progress: bool | None = None,
                  params: Any = None, group: Any = None, side_effects: str = "restore",
-                 max_side_effect_bytes: int | None = None) -> None:
+                 max_side_effect_bytes: int | None = None, host_state: str = "warn") -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self._options = dict(buckets=buckets, state=state, inputs=inputs, backend=backend, fallback=fallback,
                              pad_axes=pad_axes, warmup_iters=warmup_iters, progress=progress,
                              params=params, group=group, side_effects=side_effects,
-                             max_side_effect_bytes=max_side_effect_bytes)
+                             max_side_effect_bytes=max_side_effect_bytes, host_state=host_state)
         self.buckets = Buckets(buckets)
         self._ledger = Ledger(side_effects, max_side_effect_bytes)  # found by each bucket's first warmup
+        check_host_policy(host_state)
+        self.host_state = host_state
+        self.host_changes: tuple[HostChange, ...] = ()  # what capture_all's passes changed (graphs/hoststate.py)
         # state="attr" names the instance's metadata when a method is decorated (see __get__)
         self._state_attr = state if isinstance(state, str) else None
         if state is None or self._state_attr is not None:
@@ -202,8 +207,10 @@ class GraphRunner:
                                      pad_axes=self._pad_axes, largest=self.buckets.largest, backend=self.backend_name,
                                      state=self.state, batch=lambda inputs, a: self._batch(inputs, None, (), a))
             passes = Passes(self.fn, self._fixed, self.state, self._ledger, self.buckets, self.warmup_iters,
-                            self.params, self._load_example, self._call_args, self._manifest, self.progress)
-            self._graphs, self.workspaces = capture_buckets(passes, arguments)
+                            self.params, self._load_example, self._call_args, self._manifest, self.progress,
+                            self.host_state)
+            self._graphs, self.workspaces, found = capture_buckets(passes, arguments)
+            self.host_changes = tuple(found)
         except BaseException:
             self.reset()  # never keep some buckets of a failed capture_all: a call would find holes
             raise
@@ -436,6 +443,8 @@ class GraphRunner:
             device = f"{device} ({torch.cuda.get_device_name(be.device)})"
         effects = tuple(dict(path=e.path, op=e.op, where=e.where, nbytes=e.nbytes, policy=self.side_effect_policy)
                         for e in self.side_effects)
+        host = tuple(dict(path=h.path, before=h.before, after=h.after, policy=self.host_state)
+                     for h in self.host_changes)
         return Report(getattr(self.fn, "__qualname__", repr(self.fn)), be.name if be is not None else "-", device,
                       torch.__version__, rows, dict(self._fallbacks), effects, self._streak,
-                      bool(self._graphs) and 0 < knobs.bypass_window <= self._streak)
+                      bool(self._graphs) and 0 < knobs.bypass_window <= self._streak, host)

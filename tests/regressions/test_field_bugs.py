@@ -163,3 +163,58 @@ def test_the_fallback_log_line_never_suggests_the_fallback_already_set(caplog):
     strict(torch.randn(2, 3))
     with pytest.raises(graphctl.ReplayError, match="fallback='eager'"):
         strict(torch.randn(5, 3))
+
+
+class _Sampler:
+    def __init__(self) -> None:
+        self.probs_valid = False  # set once real requests have written probs
+        self.probs = torch.zeros(1, 3)
+
+
+def _sampling_step(sampler):
+    def step(x):
+        if sampler.probs_valid:  # host branch: the graph bakes whichever the capture run took
+            out = x + sampler.probs
+        else:
+            out = x * 1.0
+        sampler.probs_valid = True
+        return out
+
+    return step
+
+
+def test_warmup_flipping_a_host_flag_is_named_at_capture(caplog):
+    # Issue 21 (TensorRT-LLM #15775): warmup with dummy requests flipped draft_probs_valid, and the first real replay
+    # trusted stale per-slot data; nothing said the warmup had changed host state.
+    import logging
+
+    import graphctl
+
+    sampler = _Sampler()
+    f = graphctl.graphed(_sampling_step(sampler), buckets=[2, 4], inputs=["x"], backend="emulated", progress=False)
+    with caplog.at_level(logging.WARNING, logger="graphctl"):
+        f.capture_all(torch.randn(4, 3))
+    assert [str(h) for h in f.host_changes] == ["sampler.probs_valid False -> True"]
+    assert any("sampler.probs_valid False -> True" in r.getMessage() for r in caplog.records)
+    rep = f.report()
+    assert rep.host_changes == ({"path": "sampler.probs_valid", "before": False, "after": True, "policy": "warn"},)
+    assert "host state changed" in str(rep)
+
+
+def test_host_state_restore_puts_the_flag_back_and_error_refuses():
+    # Issue 21: host_state='restore' leaves the caller's flag as it was; 'error' refuses, naming it, flag put back.
+    import graphctl
+
+    sampler = _Sampler()
+    f = graphctl.graphed(_sampling_step(sampler), buckets=[2, 4], inputs=["x"], backend="emulated", progress=False,
+                         host_state="restore")
+    f.capture_all(torch.randn(4, 3))
+    assert sampler.probs_valid is False
+    sampler2 = _Sampler()
+    g = graphctl.graphed(_sampling_step(sampler2), buckets=[2], inputs=["x"], backend="emulated", progress=False,
+                         host_state="error")
+    with pytest.raises(graphctl.CaptureError, match=r"sampler\.probs_valid"):
+        g.capture_all(torch.randn(2, 3))
+    assert sampler2.probs_valid is False and not g.captured
+    with pytest.raises(graphctl.DeclarationError, match="host_state"):
+        graphctl.graphed(lambda x: x, host_state="ignore")

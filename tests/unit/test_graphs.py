@@ -296,10 +296,11 @@ def test_report_json_schema(toy):
     toy.forward.measure(iters=3)
     d = json.loads(toy.forward.report().to_json())
     assert d["schema"] == SCHEMA and d["backend"] == "emulated" and d["device"] == "cpu"
+    assert d["host_changes"] == [] and d["bypassed"] is False and d["eager_streak"] == 0  # no false alarm
     assert [b["bucket"] for b in d["buckets"]] == [1, 2, 4, 8, 16]
     for b in d["buckets"]:
         assert set(b) == {"bucket", "capture_ms", "pool_bytes", "nodes", "replay_us", "eager_us", "replays",
-                          "segments"}
+                          "segments", "eager_runs"}
         assert b["nodes"] > 0 and b["replay_us"] > 0 and b["eager_us"] > 0 and b["pool_bytes"] > 0
         assert [s["name"] for s in b["segments"]] == ["target", "draft"]
     text = str(toy.forward.report())

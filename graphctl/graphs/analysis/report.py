@@ -6,6 +6,7 @@ the JSON form documented in ``docs/user-guide.md`` (``schema`` names its version
     {"schema": "graphctl.report/2", "function": "...", "backend": "cuda" | "emulated",
      "device": "...", "torch": "...", "fallbacks": {"<reason>": count},
      "eager_streak": 0, "bypassed": false,
+     "host_changes": [{"path": "sampler.probs_valid", "before": false, "after": true, "policy": "warn"}],
      "buckets": [{"bucket": 8, "capture_ms": 12.5, "pool_bytes": 2097152, "nodes": 41,
                   "replay_us": 31.0 | null, "eager_us": 212.0 | null, "replays": 3, "eager_runs": 0,
                   "segments": [{"name": "target", "start": 0, "end": 30}, ...]}],
@@ -17,7 +18,7 @@ cuda-bindings is missing. ``replay_us``/``eager_us`` are medians from ``runner.m
 null until it ran. ``eager_runs`` counts the calls of a bucket's size that fell back to eager;
 ``eager_streak`` the calls since the last replay that all ran eagerly, and ``bypassed`` is true
 once it reaches ``GRAPHCTL_BYPASS_WINDOW`` (the graphs are captured but serve nothing).
-(``/2`` added ``eager_runs``, ``eager_streak`` and ``bypassed`` to ``/1``.)
+(``/2`` added ``eager_runs``, ``eager_streak``, ``bypassed`` and ``host_changes`` to ``/1``.)
 """
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ class Report:
     side_effects: tuple[dict[str, Any], ...] = ()
     eager_streak: int = 0  # calls since the last replay, all eager
     bypassed: bool = False  # eager_streak reached the bypass window: the graphs serve nothing
+    # host values capture_all's warmups and capture changed (graphs/hoststate.py): path, before, after, policy
+    host_changes: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -99,6 +102,9 @@ class Report:
                       "bypassed (see the fallbacks below)\n")
         if self.fallbacks:
             buf.write("eager fallbacks: " + "; ".join(f"{r} (x{c})" for r, c in self.fallbacks.items()) + "\n")
+        for h in self.host_changes:
+            buf.write(f"host state changed by warmup/capture ({h['policy']}): {h['path']} {h['before']!r} -> "
+                      f"{h['after']!r}\n")
         for e in self.side_effects:
             buf.write(f"side effect ({e['policy']}): {e['path']} ({e['nbytes']:,} B) written by {e['op']} at "
                       f"{e['where']}\n")
