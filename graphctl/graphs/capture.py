@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from graphctl.errors import DeclarationError, ReplayError
 from graphctl.graphs import hoststate
@@ -109,6 +110,20 @@ class Fixed:
                                   fix="write into the buffer in place (state.write / copy_) instead of rebinding "
                                       "it, or reset() and capture again")
         cap.checked = True
+
+    def known_tensors(self, state: BoundState | None,
+                      outputs: list[torch.Tensor]) -> list[tuple[str, str, torch.Tensor]]:
+        """``(kind, name, tensor)`` of the memory the runner knows: the state's buffers and
+        twins, its snapshot arenas, the static inputs, ``outputs``, frozen tensor arguments."""
+        out: list[tuple[str, str, torch.Tensor]] = []
+        if state is not None:
+            out += [("buffer", n, state.tensor(n)) for n in state.addresses()]
+            out += [("arena", f"arena {n}", t) for n, t in state.arenas().items()]
+        out += [("input", f"input:{slot.spec.name}", slot.static) for slot in self.slots]
+        out += [("output", f"output[{i}]", t) for i, t in enumerate(outputs)]
+        for name, (v, _) in self.frozen.items():
+            out += [("argument", f"argument:{name}", t) for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
+        return out
 
     def head(self, arguments: dict[str, Any], m: int) -> dict[str, torch.Tensor]:
         """The example's static inputs cut to their first ``m`` items, in input order."""
@@ -233,6 +248,23 @@ def _capture_one(p: Passes, bucket: int, call: tuple[tuple, dict], pool: Any) ->
     ms = (time.perf_counter() - t0) * 1e3
     return Captured(graph, out, bucket, p.manifest(), segments_from_marks(marks, graph.node_count), ms,
                     frozenset({1} | {si.per_item for si in p.fixed.inputs}))
+
+
+def written(state: BoundState | None, fixed: Fixed, ledger: Ledger, n: int) -> list[tuple[str, str, torch.Tensor]]:
+    """``(name, who writes it, tensor)`` of what a run may write that the caller owns: the mutable
+    declared buffers (their live rows for ``n`` items: padding is graphctl's, not the forward's;
+    buffers derived from them are functions of them, and of the padding) and the restored side
+    effects (whole: a padded lane writing live memory shows there)."""
+    out: list[tuple[str, str, torch.Tensor]] = []
+    if state is not None:
+        for name in (n for n in state.plan.buffers if n in state.plan.mutable):
+            d, t = state.plan.buffers[name], state.tensor(name)
+            if d.axis is not None and d.axis in fixed.pad_axes:
+                t = t.narrow(d.axis_dim, 0, min(t.shape[d.axis_dim], n * fixed.pad_axes[d.axis]))
+            out.append((f"state.{name}", "a declared mutable buffer", t))
+    if ledger.policy == "restore":
+        out += [(e.path, f"{e.op} at {e.where}", t) for e, t in ledger.written()]
+    return out
 
 
 def _progress(show: bool | None) -> Any:

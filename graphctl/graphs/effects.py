@@ -188,6 +188,7 @@ class Ledger:
         self.policy, self.cap = policy, cap
         self.found: dict[tuple[str, int], SideEffect] = {}
         self.tensors: list[torch.Tensor] = []  # whole-storage views of what policy "restore" snapshots
+        self.typed: dict[tuple[str, int], torch.Tensor] = {}  # key -> the tensor at the effect's path (verify)
 
     @property
     def effects(self) -> tuple[SideEffect, ...]:
@@ -200,6 +201,11 @@ class Ledger:
     def clear(self) -> None:
         self.found.clear()
         self.tensors = []
+        self.typed.clear()
+
+    def written(self) -> list[tuple[SideEffect, torch.Tensor]]:
+        """Each restored side effect with the tensor at its path (what ``verify()`` compares)."""
+        return [(self.found[k], t) for k, t in self.typed.items()]
 
     def track(self, run: Callable[[], Any], watched: dict, owned: set, sync: Callable[[], None]) \
             -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -238,4 +244,5 @@ class Ledger:
                                    "side_effects='ignore' and reset it yourself")
         self.found.update(new)
         self.tensors += [live for live, _ in pairs]
+        self.typed.update({k: watched[k][1] for k in new})
         return pairs

@@ -99,7 +99,7 @@ class InputSlot:
         self.spec, self.static = spec, static
         self.dtype, self.device, self.ndim = static.dtype, static.device, static.dim()
         self.lead, self.tail = static.shape[:spec.dim], static.shape[spec.dim + 1:]
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
 
     def fits(self, live: torch.Tensor, n: int) -> bool:
         """The hot-path form of :meth:`StaticInput.check` (no error built)."""
@@ -115,13 +115,13 @@ class InputSlot:
         with torch.no_grad():  # a static buffer never records autograd history (nor keeps inputs alive)
             views[0].copy_(live)
             if views[1] is not None:
-                self.spec.pad.apply(views[1])
+                self.spec.pad.apply(views[1], views[2], self.spec.dim)
 
-    def _make_views(self, n: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _make_views(self, n: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         d, per = self.spec.dim, self.spec.per_item
         rows, brows = n * per, bucket * per
         pad = self.static.narrow(d, rows, brows - rows) if brows > rows and self.spec.pad.kind != "keep" else None
-        return self.static.narrow(d, 0, rows), pad
+        return self.static.narrow(d, 0, rows), pad, self.static.narrow(d, rows - 1, 1) if rows else None
 
 
 class Buckets:

@@ -35,7 +35,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs import measure as _measure
@@ -46,7 +45,7 @@ from graphctl.graphs.analysis.verify import VerifyResult
 from graphctl.graphs.analysis.verify import verify as _verify
 from graphctl.graphs.backends.cuda import refuse_nested_capture
 from graphctl.graphs.calls import Signature, frozen_change
-from graphctl.graphs.capture import Fixed, Passes, capture_buckets
+from graphctl.graphs.capture import Fixed, Passes, capture_buckets, written
 from graphctl.graphs.captured import Captured
 from graphctl.graphs.distributed import Agreement, agreed_switch
 from graphctl.graphs.effects import Ledger, SideEffect
@@ -348,6 +347,11 @@ class GraphRunner:
         """``(args, kwargs)`` calling the forward with ``values`` (parameter name -> value)."""
         return self._sig.assemble(values)
 
+    def written(self, n: int) -> list[tuple[str, str, torch.Tensor]]:
+        """``(name, who writes it, tensor)`` of what a run may write that the caller owns (see
+        :func:`graphctl.graphs.capture.written`); ``verify()`` compares each after eager and replay."""
+        return written(self.state, self._captured_or_raise("written"), self._ledger, n)
+
     def record(self, bucket: int) -> Captured:
         """``bucket``'s capture: graph, outputs, manifest, segments, counters."""
         return self._graphs[bucket]
@@ -404,16 +408,7 @@ class GraphRunner:
         """``(kind, name, tensor)`` of the memory the runner itself knows for ``bucket``: the
         state's buffers and twins, its snapshot arenas, static inputs and outputs, frozen
         tensor arguments (the audit's named regions)."""
-        out: list[tuple[str, str, torch.Tensor]] = []
-        if self.state is not None:
-            out += [("buffer", n, self.state.tensor(n)) for n in self.state.addresses()]
-            out += [("arena", f"arena {n}", t) for n, t in self.state.arenas().items()]
-        fx = self._captured_or_raise("known_tensors")
-        out += [("input", f"input:{slot.spec.name}", slot.static) for slot in fx.slots]
-        out += [("output", f"output[{i}]", t) for i, t in enumerate(self.outputs(bucket))]
-        for name, (v, _) in fx.frozen.items():
-            out += [("argument", f"argument:{name}", t) for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
-        return out
+        return self._captured_or_raise("known_tensors").known_tensors(self.state, self.outputs(bucket))
 
     def nodes(self, bucket: int) -> list[Node]:
         """Every node of ``bucket``'s graph in capture order (CUDA: kernels with names, launch

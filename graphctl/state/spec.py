@@ -32,18 +32,28 @@ def is_draft_segment(seg: str) -> bool:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Pad:
     """Padding policy for the tail ``[n:extent]`` of an axis: ``zero``, ``fill(v)``,
-    ``clamp(lo, hi)`` (tail values clamped into range, so stale indices stay in bounds), or
-    ``keep`` (tail left as is)."""
+    ``clamp(lo, hi)`` (tail values clamped into range, so stale indices stay in bounds),
+    ``keep`` (tail left as is), ``edge`` (every padded row repeats the last live one: cumulative
+    offsets such as ``cu_seqlens`` or ``query_start_loc`` whose padded requests are empty), or
+    ``arange(step)`` (padded rows continue the last live one by ``step`` each: offsets of
+    fixed-width padded requests). With no live row, ``edge`` pads with zero and ``arange`` counts
+    from zero."""
 
     kind: str
     value: float | int | None = None
     lo: float | int | None = None
     hi: float | int | None = None
+    step: float | int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("zero", "fill", "clamp", "keep"):
-            raise DeclarationError("unknown padding policy", expected="zero, fill, clamp or keep",
-                                   found=self.kind, fix="use Pad.zero(), Pad.fill(v), Pad.clamp(lo, hi) or Pad.keep()")
+        if self.kind not in ("zero", "fill", "clamp", "keep", "edge", "arange"):
+            raise DeclarationError("unknown padding policy", expected="zero, fill, clamp, keep, edge or arange",
+                                   found=self.kind, fix="use Pad.zero(), Pad.fill(v), Pad.clamp(lo, hi), Pad.keep(), "
+                                                        "Pad.edge() or Pad.arange(step)")
+        if self.kind == "arange" and (self.step is None or isinstance(self.step, bool)
+                                      or not isinstance(self.step, (int, float))):
+            raise DeclarationError("Pad.arange needs a numeric step", expected="an int or float", found=self.step,
+                                   fix="write Pad.arange(step), e.g. the fixed width of a padded request")
         if self.kind == "fill" and self.value is None:
             raise DeclarationError("Pad.fill needs a value", expected="a number", found=None,
                                    fix="write Pad.fill(v)")
@@ -71,10 +81,19 @@ class Pad:
     def keep(cls) -> Pad:
         return cls("keep")
 
+    @classmethod
+    def edge(cls) -> Pad:
+        return cls("edge")
+
+    @classmethod
+    def arange(cls, step: float | int) -> Pad:
+        return cls("arange", step=step)
+
     def unfit(self, dtype: torch.dtype) -> str | None:
         """Why this policy's values cannot be stored in ``dtype`` (torch would wrap ``-3`` to
         ``253`` in ``uint8`` or raise halfway through a write), or None when they fit."""
-        for label, v in (("fill value", self.value), ("clamp lo", self.lo), ("clamp hi", self.hi)):
+        for label, v in (("fill value", self.value), ("clamp lo", self.lo), ("clamp hi", self.hi),
+                         ("arange step", self.step)):
             if v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -82,6 +101,8 @@ class Pad:
                     return f"{label} {v!r} of type {type(v).__name__}"
                 continue
             if dtype == torch.bool:
+                if label == "arange step":
+                    return "an arange over bool"
                 if v not in (0, 1):
                     return f"{label} {v!r} for bool"
             elif dtype.is_floating_point:
@@ -95,12 +116,21 @@ class Pad:
                     return f"{label} {v!r} outside [{info.min}, {info.max}]"
         return None
 
-    def apply(self, tail: torch.Tensor) -> None:
-        """Apply in place to ``tail`` (already narrowed to ``[n:extent]``); capturable."""
+    def apply(self, tail: torch.Tensor, last: torch.Tensor | None = None, dim: int = 0) -> None:
+        """Apply in place to ``tail`` (already narrowed to ``[n:extent]`` along ``dim``);
+        ``last`` is the last live row (``[n-1:n]``), or None when nothing is live. Capturable."""
         if tail.numel() == 0 or self.kind == "keep":
             return
-        if self.kind == "zero":
+        if self.kind == "zero" or (self.kind == "edge" and last is None):
             tail.zero_()
+        elif self.kind == "edge":
+            tail.copy_(last.expand_as(tail))
+        elif self.kind == "arange":
+            m = tail.shape[dim]
+            shape = [1] * tail.dim()
+            shape[dim] = m
+            ramp = torch.arange(1, m + 1, device=tail.device, dtype=tail.dtype).view(shape) * self.step
+            tail.copy_(ramp - self.step if last is None else ramp + last)
         elif self.kind == "fill":
             assert self.value is not None  # Pad.fill(value) sets it
             tail.fill_(self.value)

@@ -113,7 +113,7 @@ def write(st, name: str, value: torch.Tensor) -> None:
         n = value.shape[ax] if value.dim() else 1
         if d.axis is not None and n < target.shape[ax]:
             target.narrow(ax, 0, n).copy_(value)
-            d.pad.apply(target.narrow(ax, n, target.shape[ax] - n))
+            d.pad.apply(target.narrow(ax, n, target.shape[ax] - n), target.narrow(ax, n - 1, 1) if n else None, ax)
         else:
             target.copy_(value)
         for dep in deps:
@@ -168,7 +168,7 @@ def pad(st, counts: Mapping[str, int], ends: Mapping[str, int] | None = None) ->
     deps = st.plan.closure(touched)
     with all_or_nothing(st, "pad()", touched + deps), torch.no_grad():
         for _, d, t, n, end in work:
-            d.pad.apply(t.narrow(d.axis_dim, n, end - n))
+            d.pad.apply(t.narrow(d.axis_dim, n, end - n), t.narrow(d.axis_dim, n - 1, 1) if n else None, d.axis_dim)
         for dep in deps:
             st._recompute(dep)
 

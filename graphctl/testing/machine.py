@@ -180,6 +180,15 @@ class SwitchMachine(RuleBasedStateMachine):
                 tail.fill_(d.pad.value)
             elif d.pad.kind == "clamp":
                 tail.clamp_(d.pad.lo, d.pad.hi)
+            elif d.pad.kind in ("edge", "arange"):  # row by row, from the last live row: an independent oracle
+                ax, step = d.axis_dim, d.pad.step if d.pad.kind == "arange" else 0
+                prev = m.narrow(ax, n - 1, 1).clone() if n else None
+                for i in range(tail.shape[ax]):
+                    row = tail.narrow(ax, i, 1)
+                    if prev is None:
+                        row.fill_(i * step)
+                    else:
+                        row.copy_(prev + (i + 1) * step)
         else:
             m.copy_(value)
         for dep in self.plan.dependents[name]:

@@ -58,7 +58,8 @@ def combine(out: torch.Tensor, *inputs: torch.Tensor) -> None:
         out.mul_(3).add_(x)
 
 
-_PADS = st.sampled_from([Pad.zero(), Pad.fill(-7), Pad.clamp(0, 50), Pad.clamp(-3), Pad.keep()])
+_PADS = st.sampled_from([Pad.zero(), Pad.fill(-7), Pad.clamp(0, 50), Pad.clamp(-3), Pad.keep(), Pad.edge(),
+                         Pad.arange(3)])
 
 
 @st.composite

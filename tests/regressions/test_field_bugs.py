@@ -218,3 +218,87 @@ def test_host_state_restore_puts_the_flag_back_and_error_refuses():
     assert sampler2.probs_valid is False and not g.captured
     with pytest.raises(graphctl.DeclarationError, match="host_state"):
         graphctl.graphed(lambda x: x, host_state="ignore")
+
+
+def test_cumulative_offsets_pad_as_empty_requests_with_edge_and_fixed_width_with_arange():
+    # Issue 21 (xLLM #1939, SGLang #36913, vLLM #25251): padded requests must be empty sequences, so cumulative
+    # offsets repeat the last live value (or continue at a fixed width); Pad had zero, fill, clamp and keep only, and a
+    # zero tail made every padded request's length negative.
+    import graphctl
+    from graphctl import Pad, StaticInput
+
+    def lengths(cu):  # per-request token counts from offsets, as attention kernels read them
+        return cu[1:] - cu[:-1]
+
+    f = graphctl.graphed(lengths, buckets=[8], backend="emulated", progress=False,
+                         inputs=[StaticInput("cu", pad=Pad.edge())])
+    f.capture_all(torch.arange(8, dtype=torch.int32))
+    got = f(torch.tensor([0, 3, 5, 9, 9], dtype=torch.int32))  # 4 requests (the last one empty): 5 offsets
+    assert f.static_input("cu")[5:].tolist() == [9, 9, 9]  # padded rows repeat the last live offset
+    assert got.tolist() == [3, 2, 4, 0, 0, 0, 0]  # padded requests are empty (a zero tail gave -9)
+    g = graphctl.graphed(lambda starts: starts * 1, buckets=[6], backend="emulated", progress=False,
+                         inputs=[StaticInput("starts", pad=Pad.arange(4))])
+    g.capture_all(torch.arange(6, dtype=torch.int64) * 4)
+    g(torch.tensor([0, 4, 8], dtype=torch.int64))
+    assert g.static_input("starts").tolist() == [0, 4, 8, 12, 16, 20]  # fixed-width padded requests
+    with pytest.raises(graphctl.DeclarationError, match="arange"):
+        Pad.arange("4")
+
+
+def test_state_buffers_pad_with_edge_and_arange_all_or_nothing():
+    # Issue 21: the new policies work on declared state buffers too (state.pad and a short write), row-wise.
+    import graphctl
+    from graphctl import Pad, Registry, StateSpec
+
+    class Meta:
+        def __init__(self):
+            self.cu = torch.tensor([0, 2, 5, 7, 11, 13], dtype=torch.int64)
+            self.starts = torch.tensor([[0, 1], [8, 9], [16, 17], [24, 25]], dtype=torch.int32)
+
+    spec = StateSpec("pads")
+    spec.buffer("cu", shape=("S1",), dtype=torch.int64, axis="seq", pad=Pad.edge())
+    spec.buffer("starts", shape=("S", 2), dtype=torch.int32, axis="seq", pad=Pad.arange(8))
+    reg = Registry()
+    reg.register(Meta, spec)
+    m = Meta()
+    st = graphctl.bind(m, registry=reg)
+    st.pad({"seq": 3})
+    assert m.cu.tolist() == [0, 2, 5, 5, 5, 5]
+    assert m.starts.tolist() == [[0, 1], [8, 9], [16, 17], [24, 25]]  # 4 rows, 3 live: row 3 = row 2 + 8
+    st.write("starts", torch.tensor([[100, 101]], dtype=torch.int32))
+    assert m.starts.tolist() == [[100, 101], [108, 109], [116, 117], [124, 125]]
+
+
+def test_verify_flags_padded_lanes_that_write_live_memory():
+    # Issue 21 (rvllm #32, SGLang #25529 "padded lanes write to reserved slot 0"): a slot-mapping input padded with
+    # zero (a valid index) makes the replay write the padded lanes' K/V into slot 0 of a live request; verify()
+    # compared outputs only, so it passed.
+    import graphctl
+    from graphctl import StaticInput
+
+    gen = torch.Generator().manual_seed(3)
+    kv_cache = torch.randn(64, 4, generator=gen)  # slot 0 holds a live request's K/V
+
+    def write_kv(k, slots):
+        kv_cache.index_copy_(0, slots, k)  # the paged cache write of a decode step
+        return k.sum(-1)
+
+    f = graphctl.graphed(write_kv, buckets=[4, 8], backend="emulated", progress=False,
+                         inputs=[StaticInput("k"), StaticInput("slots")])  # slots pad with zero: the bug
+    f.capture_all(torch.randn(8, 4, generator=gen), torch.arange(8, 16))
+    results = f.verify(gen=torch.Generator().manual_seed(0))
+    bad = [r for r in results if not r.ok]
+    assert bad and all(r.n < r.bucket for r in bad), [str(r) for r in results]  # only where padding is live
+    text = str(bad[0])
+    assert "write kv_cache" in text and "aten::index_copy_" in text and "test_field_bugs.py" in text, text
+
+    def write_kv_skipping_padding(k, slots):  # the fix: a sentinel slot the write skips
+        live = slots >= 0
+        at = slots.clamp(min=0)
+        kv_cache.index_copy_(0, at, torch.where(live[:, None], k, kv_cache.index_select(0, at)))
+        return k.sum(-1)
+
+    fixed = graphctl.graphed(write_kv_skipping_padding, buckets=[4, 8], backend="emulated", progress=False,
+                             inputs=[StaticInput("k"), StaticInput("slots", pad=graphctl.Pad.fill(-1))])
+    fixed.capture_all(torch.randn(8, 4, generator=gen), torch.arange(8, 16))
+    assert all(r.ok for r in fixed.verify(gen=torch.Generator().manual_seed(0)))

@@ -7,7 +7,12 @@ inputs follow the capture example: integers drawn in the example's ``[min, max]`
 stay in the vocabulary), floats with its mean and spread. Each bucket is checked at ``n`` equal
 to the bucket and at an ``n`` strictly inside it, above the next smaller bucket (so padding is
 live), wherever such an ``n`` exists.
-Both runs start from the same state: every non-``Stable`` buffer is restored between them.
+Both runs start from the same state: every non-``Stable`` buffer and every restored side effect
+is put back between them. Then every write is compared too (``runner.written(n)``: the mutable
+declared buffers' live rows, and the side effects the write tracker found, whole): a mismatch
+there is named ``write <path> (<op> at <file:line>)``. That is how a padded lane writing live
+memory where eager writes nothing (a padded slot index of 0) fails verify even when every
+output agrees.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ class Verifiable(Protocol):
     def guard_all(self) -> Any: ...  # a Snapshot: a context manager with restore()
     def outputs(self, bucket: int) -> list[torch.Tensor]: ...
     def static_input(self, name: str) -> torch.Tensor: ...
+    def written(self, n: int) -> list[tuple[str, str, torch.Tensor]]: ...  # (name, who writes it, tensor)
 
 _POISON = {True: float("nan"), False: -(2**30)}
 
@@ -64,7 +70,8 @@ class VerifyResult:
         if self.ok:
             return f"bucket {self.bucket} (n={self.n}): {self.outputs} outputs equal"
         m = self.mismatch
-        return (f"bucket {self.bucket} (n={self.n}): output {m.output} differs first at index {m.index}: "
+        what = m.output if m.output.startswith("write ") else f"output {m.output}"
+        return (f"bucket {self.bucket} (n={self.n}): {what} differs first at index {m.index}: "
                 f"eager {m.expected}, replay {m.found}")
 
 
@@ -116,6 +123,7 @@ def verify(runner: Verifiable, *, gen: torch.Generator | None = None, rtol: floa
                 with torch.no_grad():
                     want, _ = tree_flatten_with_path(runner.fn(*args, **kwargs))
                 want = [(p, t.clone() if isinstance(t, torch.Tensor) else t) for p, t in want]
+                writes = [(name, who, t, t.clone()) for name, who, t in runner.written(n)]
                 state.restore()
                 for t in runner.outputs(b):
                     t.fill_(_POISON[t.dtype.is_floating_point])
@@ -125,6 +133,9 @@ def verify(runner: Verifiable, *, gen: torch.Generator | None = None, rtol: floa
                     tail.fill_(_POISON[tail.dtype.is_floating_point] if tail.dtype != torch.bool else True)
                 got, _ = tree_flatten_with_path(runner(*args, **kwargs))
                 got = [(p, t.clone() if isinstance(t, torch.Tensor) else t) for p, t in got]
+                # every write compared too, in the same restored state: a padded lane that writes live
+                # memory where eager writes nothing differs here even when every output agrees
+                after = [(name, who, t.clone(), w) for name, who, t, w in writes]
             mismatch = None
             for (path, w), (_, g) in zip(want, got):
                 if not isinstance(w, torch.Tensor):
@@ -132,6 +143,11 @@ def verify(runner: Verifiable, *, gen: torch.Generator | None = None, rtol: floa
                 diff = _first_difference(w, g, rtol, atol)
                 if diff is not None:
                     mismatch = Mismatch(keystr(path) or "<output>", *diff)
+                    break
+            for name, who, g, w in after if mismatch is None else ():
+                diff = _first_difference(w, g, rtol, atol)
+                if diff is not None:
+                    mismatch = Mismatch(f"write {name} ({who})", *diff)
                     break
             results.append(VerifyResult(b, n, len(want), mismatch))
     return tuple(results)
