@@ -248,6 +248,8 @@ def run_capture(args) -> int:
         for r in rs:
             if not r.ok:
                 con.print(f"[red]verify: {escape(str(r))}")
+            elif r.write is not None:  # a write that differs from eager: a padded lane, unless it is scratch
+                con.print(f"[yellow]verify: {escape(str(r))}")
     for a in audits.values():
         for f in a.findings:
             line = escape(f"audit: bucket {a.bucket}: {f}")

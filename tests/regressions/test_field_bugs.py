@@ -286,7 +286,10 @@ def test_verify_flags_padded_lanes_that_write_live_memory():
     f = graphctl.graphed(write_kv, buckets=[4, 8], backend="emulated", progress=False,
                          inputs=[StaticInput("k"), StaticInput("slots")])  # slots pad with zero: the bug
     f.capture_all(torch.randn(8, 4, generator=gen), torch.arange(8, 16))
-    results = f.verify(gen=torch.Generator().manual_seed(0))
+    warned = f.verify(gen=torch.Generator().manual_seed(0))  # default: a warning on the result, ok unaffected
+    assert all(r.ok for r in warned) and any(r.write is not None for r in warned)
+    assert "warning: write kv_cache" in " ".join(map(str, warned))
+    results = f.verify(gen=torch.Generator().manual_seed(0), writes="error")
     bad = [r for r in results if not r.ok]
     assert bad and all(r.n < r.bucket for r in bad), [str(r) for r in results]  # only where padding is live
     text = str(bad[0])
@@ -301,4 +304,4 @@ def test_verify_flags_padded_lanes_that_write_live_memory():
     fixed = graphctl.graphed(write_kv_skipping_padding, buckets=[4, 8], backend="emulated", progress=False,
                              inputs=[StaticInput("k"), StaticInput("slots", pad=graphctl.Pad.fill(-1))])
     fixed.capture_all(torch.randn(8, 4, generator=gen), torch.arange(8, 16))
-    assert all(r.ok for r in fixed.verify(gen=torch.Generator().manual_seed(0)))
+    assert all(r.ok and r.write is None for r in fixed.verify(gen=torch.Generator().manual_seed(0), writes="error"))
