@@ -78,6 +78,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("arch_list", "TORCH_CUDA_ARCH_LIST", str, "9.0a;10.0a", "build",
          "CUDA architectures to compile for (torch's own variable); graphctl's default targets "
          "H100/H200 (`9.0a`) and B200 (`10.0a`)."),
+    Knob("check_outputs", "GRAPHCTL_CHECK_OUTPUTS", _parse_bool, False, "runtime",
+         "Return outputs as views that raise `ReplayError` when read after a later call of the same bucket "
+         "overwrote them, naming both calls' lines. Debug only: every torch op on an output pays a Python check."),
     Knob("bypass_window", "GRAPHCTL_BYPASS_WINDOW", int, 64, "runtime",
          "A runner with graphs whose last this-many calls all ran eagerly logs one warning (and `report()` says "
          "`bypassed`): captured graphs that serve nothing are a silent slowdown. 0 turns the warning off."),

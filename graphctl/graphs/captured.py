@@ -10,9 +10,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from graphctl.graphs.analysis.report import Segment
+from graphctl.graphs.frames import user_frame
+from graphctl.graphs.stale import watch
 
 __all__ = ["Captured", "gc_held", "segments_from_marks", "settle_slicing"]
 
@@ -21,11 +23,14 @@ class Captured:
     """One bucket's graph and everything its replay relies on."""
 
     __slots__ = ("graph", "out_flat", "out_spec", "out_rows", "single", "manifest", "segments", "draft",
-                 "checked", "capture_ms", "replays", "eager_runs", "replay_us", "eager_us", "_sliced")
+                 "checked", "capture_ms", "replays", "eager_runs", "replay_us", "eager_us", "_sliced", "bucket",
+                 "last_where")
 
     def __init__(self, graph, out, bucket: int, manifest: dict[str, int], segments: tuple[Segment, ...],
                  capture_ms: float, per_items: frozenset[int]) -> None:
         self.graph = graph
+        self.bucket = bucket
+        self.last_where = "?"  # the user's line of the last replay (recorded under GRAPHCTL_CHECK_OUTPUTS)
         self.out_flat, self.out_spec = tree_flatten(out)
         self.single = isinstance(out, torch.Tensor)
         # Rows per batch item of each output's first dim, or None: that output is not sliced. An
@@ -45,6 +50,17 @@ class Captured:
         self.replay_us: float | None = None
         self.eager_us: float | None = None
         self._sliced: dict[int, Any] = {}
+
+    def result(self, n: int, copy: bool, check: bool) -> Any:
+        """What a call returns: the outputs sliced to ``n`` (views of the static outputs), fresh
+        copies (``copy_outputs=True``), or views that raise when read after this bucket replayed
+        again (``GRAPHCTL_CHECK_OUTPUTS``, see ``graphs/stale.py``)."""
+        if copy:
+            return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.outputs(n))
+        if check:
+            self.last_where = user_frame()
+            return watch(self.outputs(n), self, self.last_where)
+        return self.outputs(n)
 
     def outputs(self, n: int) -> Any:
         """The static outputs sliced to ``n`` items (views, built once per ``n``)."""

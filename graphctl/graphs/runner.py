@@ -83,17 +83,20 @@ class GraphRunner:
                  inputs: Sequence[str | StaticInput] | None = None, backend: str = "auto", fallback: str = "error",
                  pad_axes: Mapping[str, int] | None = None, warmup_iters: int = 2, progress: bool | None = None,
                  params: Any = None, group: Any = None, side_effects: str = "restore",
-                 max_side_effect_bytes: int | None = None, host_state: str = "warn") -> None:
+                 max_side_effect_bytes: int | None = None, host_state: str = "warn",
+                 copy_outputs: bool = False) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self._options = dict(buckets=buckets, state=state, inputs=inputs, backend=backend, fallback=fallback,
                              pad_axes=pad_axes, warmup_iters=warmup_iters, progress=progress,
                              params=params, group=group, side_effects=side_effects,
-                             max_side_effect_bytes=max_side_effect_bytes, host_state=host_state)
+                             max_side_effect_bytes=max_side_effect_bytes, host_state=host_state,
+                             copy_outputs=copy_outputs)
         self.buckets = Buckets(buckets)
         self._ledger = Ledger(side_effects, max_side_effect_bytes)  # found by each bucket's first warmup
         check_host_policy(host_state)
         self.host_state = host_state
+        self.copy_outputs = bool(copy_outputs)  # fresh tensors per call instead of views (graphs/stale.py)
         self.host_changes: tuple[HostChange, ...] = ()  # what capture_all's passes changed (graphs/hoststate.py)
         # state="attr" names the instance's metadata when a method is decorated (see __get__)
         self._state_attr = state if isinstance(state, str) else None
@@ -263,7 +266,7 @@ class GraphRunner:
         self._load(lives, n, bucket)
         self._replay(cap)
         self._streak = 0
-        return cap.outputs(n)
+        return cap.result(n, self.copy_outputs, knobs.check_outputs)
 
     def _check_call(self, n: int, lives: list[Any], args: tuple, kwargs: dict) -> ReplayError | None:
         """Why this rank cannot replay this call, or None."""

@@ -305,3 +305,39 @@ def test_verify_flags_padded_lanes_that_write_live_memory():
                              inputs=[StaticInput("k"), StaticInput("slots", pad=graphctl.Pad.fill(-1))])
     fixed.capture_all(torch.randn(8, 4, generator=gen), torch.arange(8, 16))
     assert all(r.ok and r.write is None for r in fixed.verify(gen=torch.Generator().manual_seed(0), writes="error"))
+
+
+def test_an_output_read_after_the_next_call_overwrote_it_raises_under_the_knob():
+    # Issue 21 (PyTorch #122192): outputs are views of the static outputs; reading one after the next call of the
+    # same bucket silently gave the new call's values.
+    import graphctl
+
+    f = graphctl.graphed(lambda x: x * 2, buckets=[4], inputs=["x"], backend="emulated", progress=False)
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    with graphctl.knobs.scope(check_outputs=True):
+        first = f(a)
+        kept = first + 0  # read before the next call: fine
+        assert torch.equal(kept, a * 2)
+        for _ in range(3):  # the common loop keeps the old name alive until the assignment: no alarm
+            out = f(b)
+            out = out.sum()
+        second = f(b)
+        with pytest.raises(graphctl.ReplayError, match="read after a later call overwrote it") as ei:
+            first.sum()
+        assert "test_field_bugs.py" in str(ei.value)
+        assert torch.equal(second * 1, b * 2)  # the latest output reads fine
+    without = f(a)
+    f(b)
+    assert torch.equal(without, b * 2)  # the documented aliasing, knob off: no check, no cost
+
+
+def test_copy_outputs_returns_fresh_tensors():
+    # Issue 21: copy_outputs=True for callers that keep outputs across calls.
+    import graphctl
+
+    f = graphctl.graphed(lambda x: x * 2, buckets=[4], inputs=["x"], backend="emulated", progress=False,
+                         copy_outputs=True)
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    first = f(a)
+    f(b)
+    assert torch.equal(first, a * 2)
