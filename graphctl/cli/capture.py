@@ -236,6 +236,9 @@ def run_capture(args) -> int:
         con.print("emulated graphs re-run every recorded op from Python: replay is not faster than eager here; "
                   "the timing columns mean something on CUDA")
     con.print(_coverage_table(rows))
+    for z in report.padding_hazards:  # padded input rows indexing a write into lasting state
+        con.print(escape(f"padding hazard: padded rows of input '{z['input']}' index {z['op']} into {z['target']} "
+                         f"at {z['where']}: pad with a sentinel the write skips, or a scratch slot"))
     for h in report.host_changes:  # host values the warmups and capture changed (graphs/hoststate.py)
         con.print(escape(f"host state changed by warmup/capture ({h['policy']}): {h['path']} {h['before']!r} -> "
                          f"{h['after']!r}"))

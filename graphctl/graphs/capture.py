@@ -221,8 +221,15 @@ def _tracked_warmup(p: Passes, arguments: dict[str, Any], call: tuple[tuple, dic
         owned |= {storage_key(p.state.tensor(n)) for n in p.state.plan.buffers}
         owned |= {storage_key(t) for t in p.state.arenas().values()}
     be = p.fixed.backend
+    # integer inputs whose padded rows hold valid indices (anything but a negative sentinel)
+    padded = {storage_key(s.static): s.spec.name for s in p.fixed.slots
+              if not s.static.dtype.is_floating_point and s.static.dtype != torch.bool
+              and not (s.spec.pad.kind == "fill" and s.spec.pad.value is not None and s.spec.pad.value < 0)}
+    known = len(p.ledger.hazards)
     pairs = p.ledger.track(lambda: be.warmup(lambda: p.fn(*call[0], **call[1])),
-                           reachable(roots_of(p.fn, arguments, p.params)), owned, be.synchronize)
+                           reachable(roots_of(p.fn, arguments, p.params)), owned, be.synchronize, padded)
+    for h in list(p.ledger.hazards.values())[known:]:
+        log.warning("graphctl: %s: %s", getattr(p.fn, "__qualname__", p.fn), h)
     if pairs:
         log.info("graphctl: %s writes state it does not own (restored around every warmup, capture, measure "
                  "and verify run, %d B of snapshots): %s", getattr(p.fn, "__qualname__", p.fn),

@@ -31,8 +31,8 @@ from torch.utils._pytree import tree_flatten
 from graphctl.errors import CaptureError, DeclarationError
 from graphctl.graphs.frames import user_frame
 
-__all__ = ["Ledger", "SideEffect", "WriteTracker", "reachable", "roots_of", "storage_bytes", "storage_key",
-           "POLICIES"]
+__all__ = ["Ledger", "PaddingHazard", "SideEffect", "WriteTracker", "reachable",
+           "roots_of", "storage_bytes", "storage_key", "POLICIES"]
 
 POLICIES = ("restore", "error", "ignore")
 _MAX_DEPTH = 6
@@ -139,16 +139,37 @@ def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tor
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class PaddingHazard:
+    """Padded rows of a static input become the index of a write into state that outlives the
+    call: the replay's padded lanes write there (a live request's slot, when the pad is a valid
+    index) where eager writes nothing."""
+
+    input: str
+    op: str
+    where: str
+    target: str
+
+    def __str__(self) -> str:
+        return (f"padded rows of input '{self.input}' index {self.op} into {self.target} at {self.where}: padded "
+                f"lanes write there; pad with a sentinel the write skips (Pad.fill(-1)) or a scratch slot")
+
+
 class WriteTracker(TorchDispatchMode):
     """Record the writes of one eager run into ``watched`` storages (key -> (path, tensor)),
     saving each tensor's contents before its first write. ``exclude`` holds storage keys graphctl
     owns (declared buffers, static inputs, arenas): never side effects."""
 
-    def __init__(self, watched: dict[tuple[str, int], tuple[str, torch.Tensor]], exclude: set[tuple[str, int]]) -> None:
+    def __init__(self, watched: dict[tuple[str, int], tuple[str, torch.Tensor]], exclude: set[tuple[str, int]],
+                 padded: dict[tuple[str, int], str] | None = None) -> None:
         super().__init__()
         self.watched = {k: v for k, v in watched.items() if k not in exclude}
         self.found: dict[tuple[str, int], SideEffect] = {}
         self.saved: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (live, copy before)
+        # storages whose padded rows hold valid indices (static inputs padded with one), and what
+        # was computed from them: an index of a write into state that outlives the call is a hazard
+        self.tainted: dict[tuple[str, int], str] = dict(padded or {})
+        self.hazards: dict[tuple[str, str], PaddingHazard] = {}
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -156,13 +177,34 @@ class WriteTracker(TorchDispatchMode):
             for t in _written(func, args, kwargs):
                 key = storage_key(t)
                 hit = self.watched.get(key)
-                if hit is not None and key not in self.found:
+                if hit is None:
+                    continue
+                if key not in self.found:
                     path, live = hit
                     whole = storage_bytes(live)  # the whole storage: views of it are restored too
                     with torch.no_grad():
                         self.saved[key] = (whole, whole.clone())
                     self.found[key] = SideEffect(path, func._schema.name, user_frame(), whole.numel())
-        return func(*args, **kwargs)
+                if self.tainted:
+                    self._check_index(func, args, kwargs, hit[0])
+        out = func(*args, **kwargs)
+        if self.tainted:  # what is computed from a padded input carries its padded rows on
+            src = next((self.tainted[k] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+                        and (k := storage_key(t)) in self.tainted), None)
+            if src is not None:
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                        self.tainted.setdefault(storage_key(t), src)
+        return out
+
+    def _check_index(self, func, args: tuple, kwargs: dict, target: str) -> None:
+        for i, a in enumerate(func._schema.arguments):
+            if a.name not in ("index", "indices"):
+                continue
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            for t in tree_flatten(v)[0]:
+                if isinstance(t, torch.Tensor) and (src := self.tainted.get(storage_key(t))) is not None:
+                    self.hazards.setdefault((src, target), PaddingHazard(src, func._schema.name, user_frame(), target))
 
     def undo(self) -> None:
         """Put every written tensor back as it was before the run."""
@@ -189,6 +231,7 @@ class Ledger:
         self.found: dict[tuple[str, int], SideEffect] = {}
         self.tensors: list[torch.Tensor] = []  # whole-storage views of what policy "restore" snapshots
         self.typed: dict[tuple[str, int], torch.Tensor] = {}  # key -> the tensor at the effect's path (verify)
+        self.hazards: dict[tuple[str, str], PaddingHazard] = {}  # (input, target) -> the first write seen
 
     @property
     def effects(self) -> tuple[SideEffect, ...]:
@@ -202,17 +245,18 @@ class Ledger:
         self.found.clear()
         self.tensors = []
         self.typed.clear()
+        self.hazards.clear()
 
     def written(self) -> list[tuple[SideEffect, torch.Tensor]]:
         """Each restored side effect with the tensor at its path (what ``verify()`` compares)."""
         return [(self.found[k], t) for k, t in self.typed.items()]
 
-    def track(self, run: Callable[[], Any], watched: dict, owned: set, sync: Callable[[], None]) \
-            -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def track(self, run: Callable[[], Any], watched: dict, owned: set, sync: Callable[[], None],
+              padded: dict[tuple[str, int], str] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Run ``run`` (one eager warmup) under a :class:`WriteTracker`, undo what it wrote
         (whatever happened), apply the policy to what is new, and hand back ``(live, copy)``
         pairs of the new tensors to snapshot: the tracker's copies, so nothing is cloned twice."""
-        tracker = WriteTracker(watched, owned | set(self.found))
+        tracker = WriteTracker(watched, owned | set(self.found), padded)
         try:
             with tracker:
                 run()
@@ -222,6 +266,9 @@ class Ledger:
             sync()
         new = tracker.found
         pairs = list(tracker.saved.values())
+        for k, h in tracker.hazards.items():
+            self.hazards.setdefault(k, h)
+        tracker.tainted.clear()
         # GC is off during capture_all: drop the tracker's references now, or every tensor it
         # watched would look held by someone (the audit would call a freed temporary "live")
         tracker.watched.clear()

@@ -27,6 +27,7 @@ Constraints (each is checked, and a violation raises a typed error):
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -443,6 +444,7 @@ class GraphRunner:
                         for e in self.side_effects)
         host = tuple(dict(path=h.path, before=h.before, after=h.after, policy=self.host_state)
                      for h in self.host_changes)
+        hazards = tuple(dataclasses.asdict(h) for h in self._ledger.hazards.values())
         return Report(getattr(self.fn, "__qualname__", repr(self.fn)), be.name if be is not None else "-", device,
                       torch.__version__, rows, dict(self._fallbacks), effects, self._streak,
-                      bool(self._graphs) and 0 < knobs.bypass_window <= self._streak, host)
+                      bool(self._graphs) and 0 < knobs.bypass_window <= self._streak, host, hazards)

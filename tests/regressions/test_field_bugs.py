@@ -286,6 +286,9 @@ def test_verify_flags_padded_lanes_that_write_live_memory():
     f = graphctl.graphed(write_kv, buckets=[4, 8], backend="emulated", progress=False,
                          inputs=[StaticInput("k"), StaticInput("slots")])  # slots pad with zero: the bug
     f.capture_all(torch.randn(8, 4, generator=gen), torch.arange(8, 16))
+    # named at capture already: the zero-padded slots index the cache write
+    assert [(z["input"], z["op"], z["target"]) for z in f.report().padding_hazards] == [
+        ("slots", "aten::index_copy_", "kv_cache")]
     warned = f.verify(gen=torch.Generator().manual_seed(0))  # default: a warning on the result, ok unaffected
     assert all(r.ok for r in warned) and any(r.write is not None for r in warned)
     assert "warning: write kv_cache" in " ".join(map(str, warned))
@@ -304,6 +307,7 @@ def test_verify_flags_padded_lanes_that_write_live_memory():
     fixed = graphctl.graphed(write_kv_skipping_padding, buckets=[4, 8], backend="emulated", progress=False,
                              inputs=[StaticInput("k"), StaticInput("slots", pad=graphctl.Pad.fill(-1))])
     fixed.capture_all(torch.randn(8, 4, generator=gen), torch.arange(8, 16))
+    assert fixed.report().padding_hazards == ()  # a negative sentinel: no hazard
     assert all(r.ok and r.write is None for r in fixed.verify(gen=torch.Generator().manual_seed(0), writes="error"))
 
 

@@ -7,6 +7,8 @@ the JSON form documented in ``docs/user-guide.md`` (``schema`` names its version
      "device": "...", "torch": "...", "fallbacks": {"<reason>": count},
      "eager_streak": 0, "bypassed": false,
      "host_changes": [{"path": "sampler.probs_valid", "before": false, "after": true, "policy": "warn"}],
+     "padding_hazards": [{"input": "slots", "op": "aten::index_copy_", "where": "model.py:12",
+                          "target": "kv_cache"}],
      "buckets": [{"bucket": 8, "capture_ms": 12.5, "pool_bytes": 2097152, "nodes": 41,
                   "replay_us": 31.0 | null, "eager_us": 212.0 | null, "replays": 3, "eager_runs": 0,
                   "segments": [{"name": "target", "start": 0, "end": 30}, ...]}],
@@ -18,7 +20,8 @@ cuda-bindings is missing. ``replay_us``/``eager_us`` are medians from ``runner.m
 null until it ran. ``eager_runs`` counts the calls of a bucket's size that fell back to eager;
 ``eager_streak`` the calls since the last replay that all ran eagerly, and ``bypassed`` is true
 once it reaches ``GRAPHCTL_BYPASS_WINDOW`` (the graphs are captured but serve nothing).
-(``/2`` added ``eager_runs``, ``eager_streak``, ``bypassed`` and ``host_changes`` to ``/1``.)
+(``/2`` added ``eager_runs``, ``eager_streak``, ``bypassed``, ``host_changes`` and
+``padding_hazards`` to ``/1``.)
 """
 from __future__ import annotations
 
@@ -69,6 +72,9 @@ class Report:
     bypassed: bool = False  # eager_streak reached the bypass window: the graphs serve nothing
     # host values capture_all's warmups and capture changed (graphs/hoststate.py): path, before, after, policy
     host_changes: tuple[dict[str, Any], ...] = ()
+    # padded rows of a static input indexing a write into state that outlives the call (graphs/effects.py):
+    # input, op, where, target
+    padding_hazards: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -102,6 +108,9 @@ class Report:
                       "bypassed (see the fallbacks below)\n")
         if self.fallbacks:
             buf.write("eager fallbacks: " + "; ".join(f"{r} (x{c})" for r, c in self.fallbacks.items()) + "\n")
+        for z in self.padding_hazards:
+            buf.write(f"padding hazard: padded rows of input '{z['input']}' index {z['op']} into {z['target']} at "
+                      f"{z['where']}\n")
         for h in self.host_changes:
             buf.write(f"host state changed by warmup/capture ({h['policy']}): {h['path']} {h['before']!r} -> "
                       f"{h['after']!r}\n")
