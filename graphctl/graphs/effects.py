@@ -139,6 +139,12 @@ def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tor
     return out
 
 
+def _integral(t: torch.Tensor) -> bool:
+    """Indices are integers: taint follows integer tensors only (a float activation computed from
+    token ids says nothing about which slot a write lands in)."""
+    return not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
+
+
 @dataclasses.dataclass(frozen=True)
 class PaddingHazard:
     """Padded rows of a static input become the index of a write into state that outlives the
@@ -170,6 +176,7 @@ class WriteTracker(TorchDispatchMode):
         # was computed from them: an index of a write into state that outlives the call is a hazard
         self.tainted: dict[tuple[str, int], str] = dict(padded or {})
         self.hazards: dict[tuple[str, str], PaddingHazard] = {}
+        self._alive: list[torch.Tensor] = []  # tainted results kept alive: a freed address reused is no taint
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -188,13 +195,14 @@ class WriteTracker(TorchDispatchMode):
                 if self.tainted:
                     self._check_index(func, args, kwargs, hit[0])
         out = func(*args, **kwargs)
-        if self.tainted:  # what is computed from a padded input carries its padded rows on
+        if self.tainted:  # integer results computed from a padded input carry its padded rows on
             src = next((self.tainted[k] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-                        and (k := storage_key(t)) in self.tainted), None)
+                        and _integral(t) and (k := storage_key(t)) in self.tainted), None)
             if src is not None:
                 for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                    if isinstance(t, torch.Tensor) and _integral(t) and t.untyped_storage().nbytes():
                         self.tainted.setdefault(storage_key(t), src)
+                        self._alive.append(t)
         return out
 
     def _check_index(self, func, args: tuple, kwargs: dict, target: str) -> None:
@@ -269,6 +277,7 @@ class Ledger:
         for k, h in tracker.hazards.items():
             self.hazards.setdefault(k, h)
         tracker.tainted.clear()
+        tracker._alive.clear()
         # GC is off during capture_all: drop the tracker's references now, or every tensor it
         # watched would look held by someone (the audit would call a freed temporary "live")
         tracker.watched.clear()
