@@ -123,14 +123,16 @@ class Pad:
             return
         if self.kind == "zero" or (self.kind == "edge" and last is None):
             tail.zero_()
-        elif self.kind == "edge":
+        elif self.kind == "edge" and last is not None:
             tail.copy_(last.expand_as(tail))
         elif self.kind == "arange":
+            step = self.step
+            assert step is not None  # Pad.arange(step) sets it
             m = tail.shape[dim]
             shape = [1] * tail.dim()
             shape[dim] = m
-            ramp = torch.arange(1, m + 1, device=tail.device, dtype=tail.dtype).view(shape) * self.step
-            tail.copy_(ramp - self.step if last is None else ramp + last)
+            ramp = torch.arange(1, m + 1, device=tail.device, dtype=tail.dtype).view(shape) * step
+            tail.copy_(ramp - step if last is None else ramp + last)
         elif self.kind == "fill":
             assert self.value is not None  # Pad.fill(value) sets it
             tail.fill_(self.value)
