@@ -30,7 +30,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from graphctl.errors import DeclarationError, ReplayError
-from graphctl.graphs import hoststate
+from graphctl.graphs import hoststate, rebinding
 from graphctl.graphs.analysis.nodes import Region
 from graphctl.graphs.backends import GraphBackend, select_backend
 from graphctl.graphs.calls import Signature
@@ -148,10 +148,16 @@ class Passes:
     host_policy: str = "warn"  # host_state= (graphs/hoststate.py)
 
 
-def capture_buckets(p: Passes, arguments: dict[str, Any]) \
-        -> tuple[dict[int, Captured], tuple[Region, ...], list[hoststate.HostChange]]:
-    """Both passes (see the module docstring): the captured buckets, the warmup workspaces, and
-    the host values the passes changed (``graphs/hoststate.py``, its policy applied)."""
+@dataclasses.dataclass(frozen=True)
+class Result:
+    graphs: dict[int, Captured]
+    workspaces: tuple[Region, ...]  # what the warmups allocated and kept (library workspaces)
+    host_changes: tuple[hoststate.HostChange, ...]  # host values the passes changed (policy applied)
+    paths: list[rebinding.PathCheck]  # tensors reached through the arguments, re-checked at every replay
+
+
+def capture_buckets(p: Passes, arguments: dict[str, Any], get_arg: Callable[[tuple, dict, str], Any]) -> Result:
+    """Both passes (see the module docstring), then what the runner keeps of them."""
     roots = roots_of(p.fn, arguments, p.params)
     host_before = hoststate.take(roots)
     try:
@@ -166,7 +172,17 @@ def capture_buckets(p: Passes, arguments: dict[str, Any]) \
         log.warning("graphctl: %s: warmup and capture changed host state the graph may have baked%s: %s",
                     getattr(p.fn, "__qualname__", p.fn), " (put back)" if p.host_policy == "restore" else "",
                     "; ".join(map(str, found)))
-    return graphs, workspaces, found
+    paths = rebinding.collect(p.fn, arguments, get_arg, p.params, p.ledger.used, _owned(p))
+    return Result(graphs, workspaces, tuple(found), paths)
+
+
+def _owned(p: Passes) -> set[tuple[str, int]]:
+    """Storage keys graphctl owns: static inputs, declared buffers (twins too), snapshot arenas."""
+    owned = {storage_key(slot.static) for slot in p.fixed.slots}
+    if p.state is not None:
+        owned |= {storage_key(p.state.tensor(n)) for n in p.state.plan.buffers}
+        owned |= {storage_key(t) for t in p.state.arenas().values()}
+    return owned
 
 
 def _passes(p: Passes, arguments: dict[str, Any]) -> tuple[dict[int, Captured], tuple[Region, ...]]:
@@ -216,10 +232,7 @@ def _passes(p: Passes, arguments: dict[str, Any]) -> tuple[dict[int, Captured], 
 def _tracked_warmup(p: Passes, arguments: dict[str, Any], call: tuple[tuple, dict]) -> list:
     """An eager run under the write tracker: what it writes to tensors the forward reaches but
     graphctl does not own is a side effect. Returns the new ``(live, copy)`` pairs."""
-    owned = {storage_key(slot.static) for slot in p.fixed.slots}
-    if p.state is not None:
-        owned |= {storage_key(p.state.tensor(n)) for n in p.state.plan.buffers}
-        owned |= {storage_key(t) for t in p.state.arenas().values()}
+    owned = _owned(p)
     be = p.fixed.backend
     # integer inputs whose padded rows hold valid indices (anything but a negative sentinel)
     padded = {storage_key(s.static): s.spec.name for s in p.fixed.slots

@@ -177,9 +177,12 @@ class WriteTracker(TorchDispatchMode):
         self.tainted: dict[tuple[str, int], str] = dict(padded or {})
         self.hazards: dict[tuple[str, str], PaddingHazard] = {}
         self._alive: list[torch.Tensor] = []  # tainted results kept alive: a freed address reused is no taint
+        self.used: set[tuple[str, int]] = set()  # every storage an op read or wrote (graphs/rebinding.py)
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.used.update(storage_key(t) for t in tree_flatten((args, kwargs))[0]
+                         if isinstance(t, torch.Tensor) and t.device.type != "meta")
         if self.watched:
             for t in _written(func, args, kwargs):
                 key = storage_key(t)
@@ -240,6 +243,7 @@ class Ledger:
         self.tensors: list[torch.Tensor] = []  # whole-storage views of what policy "restore" snapshots
         self.typed: dict[tuple[str, int], torch.Tensor] = {}  # key -> the tensor at the effect's path (verify)
         self.hazards: dict[tuple[str, str], PaddingHazard] = {}  # (input, target) -> the first write seen
+        self.used: set[tuple[str, int]] = set()  # storages the tracked warmups' ops touched
 
     @property
     def effects(self) -> tuple[SideEffect, ...]:
@@ -254,6 +258,7 @@ class Ledger:
         self.tensors = []
         self.typed.clear()
         self.hazards.clear()
+        self.used.clear()
 
     def written(self) -> list[tuple[SideEffect, torch.Tensor]]:
         """Each restored side effect with the tensor at its path (what ``verify()`` compares)."""
@@ -278,6 +283,7 @@ class Ledger:
             self.hazards.setdefault(k, h)
         tracker.tainted.clear()
         tracker._alive.clear()
+        self.used |= tracker.used
         # GC is off during capture_all: drop the tracker's references now, or every tensor it
         # watched would look held by someone (the audit would call a freed temporary "live")
         tracker.watched.clear()

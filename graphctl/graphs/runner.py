@@ -53,6 +53,7 @@ from graphctl.graphs.effects import Ledger, SideEffect
 from graphctl.graphs.hoststate import HostChange
 from graphctl.graphs.hoststate import check_policy as check_host_policy
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
+from graphctl.graphs.rebinding import PathCheck, first_moved
 from graphctl.knobs import knobs
 from graphctl.state import BoundState, bind
 from graphctl.state.snapshot import Snapshot
@@ -124,6 +125,7 @@ class GraphRunner:
                                        fix="fix the name in inputs=")
         self._pad_axes = dict(pad_axes) if pad_axes is not None else None
         self._fixed: Fixed | None = None  # None: nothing captured (see graphs/capture.py)
+        self._paths: list[PathCheck] = []  # tensors reached through the arguments, checked per replay
         self._graphs: dict[int, Captured] = {}
         self._fallbacks: dict[str, int] = {}
         self._streak = 0  # calls since the last replay, all eager (a bypassed runner: see _unservable)
@@ -155,8 +157,7 @@ class GraphRunner:
 
     def _batch(self, inputs: tuple[StaticInput, ...], positions: tuple[int, ...] | None, args: tuple,
                kwargs: dict) -> tuple[int, list[Any]]:
-        # The usual call is positional with every required argument given; anything else binds
-        # fully, so a missing or unknown argument raises TypeError naming it.
+        # the usual call is positional; anything else binds fully (TypeError naming a bad argument)
         lives = self._sig.positional(args, kwargs, positions) if positions is not None else None
         if lives is None:
             arguments = self._sig.bind(args, kwargs)
@@ -212,8 +213,9 @@ class GraphRunner:
             passes = Passes(self.fn, self._fixed, self.state, self._ledger, self.buckets, self.warmup_iters,
                             self.params, self._load_example, self._call_args, self._manifest, self.progress,
                             self.host_state)
-            self._graphs, self.workspaces, found = capture_buckets(passes, arguments)
-            self.host_changes = tuple(found)
+            res = capture_buckets(passes, arguments, self._sig.get)
+            self._graphs, self.workspaces, self.host_changes, self._paths = res.graphs, res.workspaces, \
+                res.host_changes, res.paths
         except BaseException:
             self.reset()  # never keep some buckets of a failed capture_all: a call would find holes
             raise
@@ -232,7 +234,7 @@ class GraphRunner:
 
     def reset(self) -> None:
         """Drop every graph (and the static inputs); the next call captures again."""
-        self._graphs = {}
+        self._graphs, self._paths = {}, []
         self._streak = 0
         self._ledger.clear()
         self._fixed = None
@@ -278,8 +280,10 @@ class GraphRunner:
         for slot, live in zip(self._fixed.slots, lives):
             if not slot.fits(live, n):
                 return slot.spec.check(live, slot.static, n)
-        if self._fixed.frozen:
-            return frozen_change(self._fixed.frozen, self._sig, args, kwargs)
+        if self._fixed.frozen and (err := frozen_change(self._fixed.frozen, self._sig, args, kwargs)) is not None:
+            return err
+        if self._paths and knobs.check_paths:  # tensors reached through the arguments (graphs/rebinding.py)
+            return first_moved(self._paths, args, kwargs)
         return None
 
     def _replay(self, cap: Captured) -> None:
@@ -399,11 +403,9 @@ class GraphRunner:
         """Per bucket, the pointer and segment audits (``graphs/analysis/audit.py``). ``params``: the
         model tensors the forward reads (an ``nn.Module``, a name -> tensor mapping or an
         iterable); default the runner's ``params=``, or the module a decorated method is bound to."""
-        if params is None:
-            params = self.params
-        if params is None and inspect.ismethod(self.fn) and isinstance(self.fn.__self__, torch.nn.Module):
-            params = self.fn.__self__
-        model = param_tensors(params)
+        owner = self.fn.__self__ if inspect.ismethod(self.fn) else None  # a decorated module's method
+        model = param_tensors(params if params is not None else self.params if self.params is not None
+                              else owner if isinstance(owner, torch.nn.Module) else None)
         return {b: audit_graph(self.graph(b), b, known=self.known_tensors(b), segments=self.segments(b),
                                workspaces=self.workspaces, plan=self.state.plan if self.state is not None else None,
                                params=model) for b in self.captured}
@@ -440,10 +442,8 @@ class GraphRunner:
         device = str(be.device) if be is not None else "-"
         if be is not None and be.device.type == "cuda":
             device = f"{device} ({torch.cuda.get_device_name(be.device)})"
-        effects = tuple(dict(path=e.path, op=e.op, where=e.where, nbytes=e.nbytes, policy=self.side_effect_policy)
-                        for e in self.side_effects)
-        host = tuple(dict(path=h.path, before=h.before, after=h.after, policy=self.host_state)
-                     for h in self.host_changes)
+        effects = tuple({**dataclasses.asdict(e), "policy": self.side_effect_policy} for e in self.side_effects)
+        host = tuple({**dataclasses.asdict(h), "policy": self.host_state} for h in self.host_changes)
         hazards = tuple(dataclasses.asdict(h) for h in self._ledger.hazards.values())
         return Report(getattr(self.fn, "__qualname__", repr(self.fn)), be.name if be is not None else "-", device,
                       torch.__version__, rows, dict(self._fallbacks), effects, self._streak,

@@ -345,3 +345,34 @@ def test_copy_outputs_returns_fresh_tensors():
     first = f(a)
     f(b)
     assert torch.equal(first, a * 2)
+
+
+def test_a_tensor_rebound_behind_an_argument_is_named_before_the_replay():
+    # Issue 21 (vLLM #36611 stale tile-scheduler metadata, vLLM #37639): the engine computes a metadata tensor outside
+    # the graph and rebinds it on an object the forward reads; the graph kept reading the capture-time tensor.
+    import graphctl
+
+    class Engine:
+        def __init__(self):
+            self.sched = torch.arange(4.0)  # computed outside the graph each step
+
+        def forward(self, x):
+            return x * self.sched
+
+    eng = Engine()
+    f = graphctl.graphed(eng.forward, buckets=[2], inputs=["x"], backend="emulated", progress=False)
+    x = torch.randn(2, 4)
+    f.capture_all(x)
+    eng.sched.copy_(torch.full((4,), 2.0))  # written in place: the graph reads it, fine
+    assert torch.equal(f(x), x * 2.0)
+    eng.sched = torch.full((4,), 3.0)  # the natural bug: a fresh tensor each step
+    with pytest.raises(graphctl.ReplayError, match="rebound since the capture") as ei:
+        f(x)
+    assert "self.sched" in str(ei.value)
+    with graphctl.knobs.scope(check_paths=False):
+        assert torch.equal(f(x), x * 2.0)  # unchecked: the capture-time tensor, silently (documented)
+    lenient = graphctl.graphed(eng.forward, buckets=[2], inputs=["x"], backend="emulated", progress=False,
+                               fallback="eager")
+    lenient.capture_all(x)
+    eng.sched = torch.full((4,), 5.0)
+    assert torch.equal(lenient(x), x * 5.0)  # falls back to eager, which reads the new tensor; logged
