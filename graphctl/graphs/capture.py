@@ -38,7 +38,7 @@ from graphctl.graphs.captured import Captured, gc_held, segments_from_marks, set
 from graphctl.graphs.effects import Ledger, reachable, roots_of, storage_key
 from graphctl.graphs.frozen import freeze
 from graphctl.graphs.inputs import Buckets, InputSlot, StaticInput
-from graphctl.state import BoundState
+from graphctl.state import BoundState, CopyInPlace, paths
 from graphctl.state.snapshot import Snapshot
 
 __all__ = ["Fixed", "capture_buckets"]
@@ -172,8 +172,26 @@ def capture_buckets(p: Passes, arguments: dict[str, Any], get_arg: Callable[[tup
         log.warning("graphctl: %s: warmup and capture changed host state the graph may have baked%s: %s",
                     getattr(p.fn, "__qualname__", p.fn), " (put back)" if p.host_policy == "restore" else "",
                     "; ".join(map(str, found)))
-    paths = rebinding.collect(p.fn, arguments, get_arg, p.params, p.ledger.used, _owned(p))
+    paths = rebinding.collect(p.fn, arguments, get_arg, p.params, p.ledger.used, _owned(p) | _sources(p.state))
     return Result(graphs, workspaces, tuple(found), paths)
+
+
+def _sources(state: BoundState | None) -> set[tuple[str, int]]:
+    """Storage keys of the declared copy sources (a path, or a function of the object): looked up
+    afresh at every switch, so rebinding them between calls is the declared way to feed a refresh,
+    not a stale read."""
+    out: set[tuple[str, int]] = set()
+    for d in state.plan.buffers.values() if state is not None else ():
+        for act in (d.draft, d.refresh):
+            if not isinstance(act, CopyInPlace):
+                continue
+            try:  # a source only computes (its contract): one more lookup here changes nothing
+                src = act.source(state.obj) if callable(act.source) else paths.get(state.obj, act.source)
+            except Exception:
+                continue
+            if isinstance(src, torch.Tensor):
+                out.add(storage_key(src))
+    return out
 
 
 def _owned(p: Passes) -> set[tuple[str, int]]:
