@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from graphctl.errors import DeclarationError, ReplayError
 from graphctl.graphs import hoststate, rebinding
+from graphctl.graphs.analysis.audit import param_tensors
 from graphctl.graphs.analysis.nodes import Region
 from graphctl.graphs.backends import GraphBackend, select_backend
 from graphctl.graphs.calls import Signature
@@ -172,8 +173,17 @@ def capture_buckets(p: Passes, arguments: dict[str, Any], get_arg: Callable[[tup
         log.warning("graphctl: %s: warmup and capture changed host state the graph may have baked%s: %s",
                     getattr(p.fn, "__qualname__", p.fn), " (put back)" if p.host_policy == "restore" else "",
                     "; ".join(map(str, found)))
-    paths = rebinding.collect(p.fn, arguments, get_arg, p.params, p.ledger.used, _owned(p) | _sources(p.state))
+    skip = _owned(p) | _sources(p.state) | {storage_key(t) for t in _model_tensors(p.params)}
+    paths = rebinding.collect(p.fn, arguments, get_arg, p.params, p.ledger.used, skip)
     return Result(graphs, workspaces, tuple(found), paths)
+
+
+def _model_tensors(params: Any) -> list[torch.Tensor]:
+    """The tensors of ``params=`` (the model's weights: never rebound per step, never path-checked)."""
+    try:
+        return list(param_tensors(params).values()) if params is not None else []
+    except TypeError:  # an unusable params= is the audit's to report, with its message
+        return []
 
 
 def _sources(state: BoundState | None) -> set[tuple[str, int]]:
