@@ -61,6 +61,7 @@ from graphctl.state.snapshot import Snapshot
 __all__ = ["GraphRunner"]
 
 log = logging.getLogger("graphctl")
+_KNOBS = knobs._values  # a plain dict lookup on the call path (a knob attribute goes through __getattr__)
 
 
 class GraphRunner:
@@ -213,9 +214,9 @@ class GraphRunner:
             passes = Passes(self.fn, self._fixed, self.state, self._ledger, self.buckets, self.warmup_iters,
                             self.params, self._load_example, self._call_args, self._manifest, self.progress,
                             self.host_state)
-            res = capture_buckets(passes, arguments, self._sig.get)
-            self._graphs, self.workspaces, self.host_changes, self._paths = res.graphs, res.workspaces, \
-                res.host_changes, res.paths
+            r = capture_buckets(passes, arguments, self._sig.get)
+            self._graphs, self.workspaces, self.host_changes, self._paths = r.graphs, r.workspaces, r.host_changes, \
+                r.paths
         except BaseException:
             self.reset()  # never keep some buckets of a failed capture_all: a call would find holes
             raise
@@ -264,12 +265,12 @@ class GraphRunner:
         cap = self._graphs[bucket]
         if self.state is not None:
             self.state.check_usable()  # a poisoned state never replays, with or without a refresh
-        if not cap.checked or knobs.check_manifest:  # before loading: never pad into a moved buffer
+        if not cap.checked or _KNOBS["check_manifest"]:  # before loading: never pad into a moved buffer
             self._fixed.check_manifest(cap, self.state)
         self._load(lives, n, bucket)
         self._replay(cap)
         self._streak = 0
-        return cap.result(n, self.copy_outputs, knobs.check_outputs)
+        return cap.result(n, self.copy_outputs, _KNOBS["check_outputs"])
 
     def _check_call(self, n: int, lives: list[Any], args: tuple, kwargs: dict) -> ReplayError | None:
         """Why this rank cannot replay this call, or None."""
@@ -282,7 +283,7 @@ class GraphRunner:
                 return slot.spec.check(live, slot.static, n)
         if self._fixed.frozen and (err := frozen_change(self._fixed.frozen, self._sig, args, kwargs)) is not None:
             return err
-        if self._paths and knobs.check_paths:  # tensors reached through the arguments (graphs/rebinding.py)
+        if self._paths and _KNOBS["check_paths"]:  # tensors reached through the arguments (graphs/rebinding.py)
             return first_moved(self._paths, args, kwargs)
         return None
 
@@ -380,8 +381,7 @@ class GraphRunner:
         return next(slot.static for slot in self._captured_or_raise("static_input").slots if slot.spec.name == name)
 
     def measure(self, iters: int = 20) -> GraphRunner:
-        """Median time of the whole graphed call and of the eager forward, per bucket, each at
-        its own size; see :func:`graphctl.graphs.measure.measure`."""
+        """Median µs of the graphed call and of the eager forward per bucket (``graphs/measure.py``)."""
         self._captured_or_raise("measure()")
         _measure.measure(self, iters)
         return self
