@@ -212,6 +212,46 @@ def _side_effect_forward():
     return fwd
 
 
+def _host_flag_forward():
+    class Sampler:
+        probs_valid = False
+
+    sampler = Sampler()
+
+    def fwd(x):
+        sampler.probs_valid = True  # host state the warmup flips
+        return x * 2
+
+    return fwd
+
+
+def _path_rebound():
+    class Engine:
+        def __init__(self):
+            self.sched = torch.arange(3.0)
+
+        def forward(self, x):
+            return x * self.sched
+
+    eng = Engine()
+    f = graphed(eng.forward, buckets=[2], inputs=["x"], backend="emulated", progress=False)
+    x = torch.ones(2, 3)
+    f.capture_all(x)
+    eng.sched = torch.arange(3.0)  # a fresh tensor: the graph would read the old one
+    f(x)
+
+
+def _stale_output():
+    from graphctl import knobs
+
+    f = graphed(lambda x: x * 2, buckets=[2], inputs=["x"], backend="emulated", progress=False)
+    x = torch.ones(2, 3)
+    with knobs.scope(check_outputs=True):
+        first = f(x)
+        f(x)
+        first.sum()
+
+
 def _starred_not_a_sequence():
     class Holder:
         def __init__(self):
@@ -937,6 +977,13 @@ CASES: list[Case] = [
         _frozen_changed,
     ),
     Case("replay-moved", ReplayError, "replay", "a static buffer rebound after capture (manifest check)", _moved),
+    Case("replay-path-rebound", ReplayError, "replay", "a tensor reached through self rebound after capture",
+         _path_rebound),
+    Case("replay-stale-output", ReplayError, "replay", "an output read after the next call (GRAPHCTL_CHECK_OUTPUTS=1)",
+         _stale_output),
+    Case("capture-host-state", CaptureError, "capture", "host_state='error' and a warmup flipping a host flag",
+         lambda: graphed(_host_flag_forward(), buckets=[2], inputs=["x"], backend="emulated", progress=False,
+                         host_state="error").capture_all(torch.ones(2, 3))),
     Case("loop-mode", DeclarationError, "capture", "an unknown draft-loop mode", _unknown_loop_mode),
     Case("loop-needs-cuda", CaptureError, "capture", "mode='device_loop' on the emulated backend", _loop_on_cpu),
     Case("loop-recorded", CaptureError, "capture", "a device loop run under the emulated recorder", _loop_recorded),
