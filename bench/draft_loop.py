@@ -64,6 +64,7 @@ class HandWritten:
             m.block_table,
             m.token_positions,
             m.req_idx_per_token,
+            m.kv_lens,
             m.scratch_i64,
             m.scratch_i32,
             block_size=bs,
@@ -84,8 +85,8 @@ class HandWritten:
         table, mgr = m.block_table, m.kv_cache_manager
         m.block_table, m.kv_cache_manager = m.draft_block_table, m.draft_kv_cache_manager
         try:
-            slot_mapping_(m.slot_mapping, m.block_table, m.token_positions, m.req_idx_per_token, m.scratch_i64,
-                   m.scratch_i32, block_size=eng.cfg.block_size)
+            slot_mapping_(m.slot_mapping, m.block_table, m.token_positions, m.req_idx_per_token, m.kv_lens,
+                          m.scratch_i64, m.scratch_i32, block_size=eng.cfg.block_size)
             drafts = eng.draft_loop(input_ids, accepted, bonus, self._write)
         finally:
             m.block_table, m.kv_cache_manager = table, mgr

@@ -239,6 +239,9 @@ def run_capture(args) -> int:
     for z in report.padding_hazards:  # padded input rows indexing a write into lasting state
         con.print(escape(f"padding hazard: padded rows of input '{z['input']}' index {z['op']} into {z['target']} "
                          f"at {z['where']}: pad with a sentinel the write skips, or a scratch slot"))
+    for u in report.unreached:  # read from before the forward ran, through no path graphctl checks
+        con.print(escape(f"reached by no path: a {u['dtype']} tensor {list(u['shape'])} on {u['device']} read by "
+                         f"{u['op']} at {u['where']}: declare it or keep it where the forward's arguments reach"))
     for h in report.host_changes:  # host values the warmups and capture changed (graphs/hoststate.py)
         con.print(escape(f"host state changed by warmup/capture ({h['policy']}): {h['path']} {h['before']!r} -> "
                          f"{h['after']!r}"))

@@ -14,6 +14,8 @@ to each buffer:
 - ``cu_seq_lens``, ``cu_kv_lens``, ``req_idx_per_token``, ``token_positions`` and
   ``slot_mapping`` are recomputed on the device whenever an input is written or swapped, so
   a layout change from ``1 + D`` tokens a request to 1 can never leave them stale (#16925);
+  ``slot_mapping`` is :data:`PAD_SLOT` (-1) for the tokens of padded requests, which a cache
+  write must skip (:meth:`KVCacheManager.write` does);
 - pinned host mirrors of the lengths are mutable host buffers.
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "positions_",
     "page_and_offset",
     "slot_mapping_",
+    "PAD_SLOT",
 ]
 
 # Stable scratch of the derived maps (never snapshotted; contents meaningless between calls
@@ -56,10 +59,22 @@ class KVCacheManager:
         g = torch.Generator().manual_seed(seed)
         perm = torch.randperm(self.num_blocks, generator=g).to(torch.int32)
         self.block_ids = perm.view(seqs, blocks).to(device)
-        shape = (self.num_blocks, block_size, head_dim)
+        # one block past the pool: where writes of PAD_SLOT lanes go (no table points there)
+        shape = (self.num_blocks + 1, block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self._staged = torch.empty_like(self.block_ids)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one layer's K/V of each token at its slot; a :data:`PAD_SLOT` token writes the
+        spare slot's own value back into it (so a padded replay leaves every byte an eager run
+        of the live batch leaves, and padded lanes never collide with live ones)."""
+        spare = self.num_blocks * self.block_size
+        live = slots >= 0
+        at = torch.where(live, slots, spare)
+        for cache, x in ((self.k[layer], k), (self.v[layer], v)):
+            flat = cache.view(-1, x.shape[-1])
+            flat.index_copy_(0, at, torch.where(live[:, None], x, flat[spare]))
 
     def pool_block_ids(self) -> torch.Tensor:
         """The block ids clamped into the pool, staged in a preallocated tensor (a refresh
@@ -100,10 +115,23 @@ def page_and_offset(block_table, token_positions, req_idx, block_size, s64, s32)
     return page, pos.remainder_(block_size)
 
 
-def slot_mapping_(out, block_table, token_positions, req_idx, s64, s32, *, block_size: int) -> None:
-    """KV slot of each token through the bound block table (padding tokens land in range)."""
+#: ``slot_mapping`` of a token that belongs to no live request: a cache write must skip it
+PAD_SLOT = -1
+
+
+def slot_mapping_(out, block_table, token_positions, req_idx, kv_lens, s64, s32, *, block_size: int) -> None:
+    """KV slot of each token through the bound block table; :data:`PAD_SLOT` for a token of no
+    live request (past the batch, or of a padded request, whose ``kv_lens`` is 0). A padded
+    lane's slot computed like a live one's is a valid slot of some other sequence, and a cache
+    write through it corrupts that sequence's K/V (SGLang #25529, xLLM #1939)."""
+    S = kv_lens.numel()
     page, offset = page_and_offset(block_table, token_positions, req_idx, block_size, s64, s32)
     out.copy_(page).mul_(block_size).add_(offset)
+    # alive = (req_idx < S) * (kv_lens[req] > 0), in the scratch rows (a switch allocates nothing)
+    r = s64[0].copy_(req_idx).clamp_(max=S - 1)
+    alive = s64[2].copy_(torch.index_select(kv_lens, 0, r, out=s32)).clamp_(0, 1)
+    alive.mul_(s64[1].copy_(req_idx).neg_().add_(S).clamp_(0, 1))
+    out.sub_(PAD_SLOT).mul_(alive).add_(PAD_SLOT)  # live: the slot; dead: PAD_SLOT
 
 
 def paged_spec(name: str = "paged", *, block_size: int) -> StateSpec:
@@ -136,7 +164,7 @@ def paged_spec(name: str = "paged", *, block_size: int) -> StateSpec:
         ["seq_lens", "kv_lens", "req_idx_per_token", "cu_seq_lens", "token_index", "scratch_i64", "scratch_i32"],
         positions_))
     spec.buffer("slot_mapping", shape=("T",), dtype=torch.int64, derive=Recompute(
-        ["block_table", "token_positions", "req_idx_per_token", "scratch_i64", "scratch_i32"],
+        ["block_table", "token_positions", "req_idx_per_token", "kv_lens", "scratch_i64", "scratch_i32"],
         functools.partial(slot_mapping_, block_size=block_size)))
     return spec
 

@@ -175,6 +175,11 @@ def capture_buckets(p: Passes, arguments: dict[str, Any], get_arg: Callable[[tup
                     "; ".join(map(str, found)))
     skip = _owned(p) | _sources(p.state) | {storage_key(t) for t in _model_tensors(p.params)}
     paths = rebinding.collect(p.fn, arguments, get_arg, p.params, p.ledger.used, skip)
+    reached = reachable(roots).keys() | skip  # what the forward read from before it ran, with no path to it
+    p.ledger.unreached = tuple(u for k, u in p.ledger.external.items() if k not in reached)
+    if p.ledger.unreached:
+        log.warning("graphctl: %s: tensors the graph reads that no checked path reaches: %s",
+                    getattr(p.fn, "__qualname__", p.fn), "; ".join(map(str, p.ledger.unreached)))
     return Result(graphs, workspaces, tuple(found), paths)
 
 

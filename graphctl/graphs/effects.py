@@ -31,8 +31,8 @@ from torch.utils._pytree import tree_flatten
 from graphctl.errors import CaptureError, DeclarationError
 from graphctl.graphs.frames import user_frame
 
-__all__ = ["Ledger", "PaddingHazard", "SideEffect", "WriteTracker", "reachable",
-           "roots_of", "storage_bytes", "storage_key", "POLICIES"]
+__all__ = ["Ledger", "PaddingHazard", "SideEffect", "Unreached", "WriteTracker", "reachable", "roots_of",
+           "storage_bytes", "storage_key", "POLICIES"]
 
 POLICIES = ("restore", "error", "ignore")
 _MAX_DEPTH = 6
@@ -161,6 +161,27 @@ class PaddingHazard:
                 f"lanes write there; pad with a sentinel the write skips (Pad.fill(-1)) or a scratch slot")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unreached:
+    """A tensor the forward read that existed before it ran, yet no path graphctl walks leads
+    to it (a ``__slots__`` object, a C++ holder, a function's return value): the replay reads
+    its capture-time storage and nothing checks that it is still the one the caller means."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    op: str  # the first op that read it
+    where: str  # user file:line of that op
+
+    def __str__(self) -> str:
+        return (f"a {self.dtype} tensor of shape {list(self.shape)} on {self.device}, read by {self.op} at "
+                f"{self.where}: reached by no path graphctl checks (declare it, pass it as an argument, or keep it "
+                f"on an object the forward reaches)")
+
+
+_FRESH = {"aten::lift_fresh", "aten::lift_fresh_copy"}  # torch.tensor(data) inside the forward: made there
+
+
 class WriteTracker(TorchDispatchMode):
     """Record the writes of one eager run into ``watched`` storages (key -> (path, tensor)),
     saving each tensor's contents before its first write. ``exclude`` holds storage keys graphctl
@@ -178,11 +199,22 @@ class WriteTracker(TorchDispatchMode):
         self.hazards: dict[tuple[str, str], PaddingHazard] = {}
         self._alive: list[torch.Tensor] = []  # tainted results kept alive: a freed address reused is no taint
         self.used: set[tuple[str, int]] = set()  # every storage an op read or wrote (graphs/rebinding.py)
+        self.born: set[tuple[str, int]] = set()  # storages an op of this run produced
+        self.external: dict[tuple[str, int], Unreached] = {}  # read before any op produced them
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.used.update(storage_key(t) for t in tree_flatten((args, kwargs))[0]
-                         if isinstance(t, torch.Tensor) and t.device.type != "meta")
+        name = func._schema.name
+        for t in tree_flatten((args, kwargs))[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            key = storage_key(t)
+            self.used.add(key)
+            # a 0-dim CPU tensor is a wrapped Python number (or a scalar the graph bakes by value)
+            if key not in self.born and key not in self.external and name not in _FRESH and \
+                    not (t.dim() == 0 and t.device.type == "cpu") and t.untyped_storage().nbytes():
+                self.external[key] = Unreached(tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device),
+                                               name, user_frame())
         if self.watched:
             for t in _written(func, args, kwargs):
                 key = storage_key(t)
@@ -198,6 +230,7 @@ class WriteTracker(TorchDispatchMode):
                 if self.tainted:
                     self._check_index(func, args, kwargs, hit[0])
         out = func(*args, **kwargs)
+        self.born.update(storage_key(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         if self.tainted:  # integer results computed from a padded input carry its padded rows on
             src = next((self.tainted[k] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
                         and _integral(t) and (k := storage_key(t)) in self.tainted), None)
@@ -244,6 +277,8 @@ class Ledger:
         self.typed: dict[tuple[str, int], torch.Tensor] = {}  # key -> the tensor at the effect's path (verify)
         self.hazards: dict[tuple[str, str], PaddingHazard] = {}  # (input, target) -> the first write seen
         self.used: set[tuple[str, int]] = set()  # storages the tracked warmups' ops touched
+        self.external: dict[tuple[str, int], Unreached] = {}  # read before produced (see WriteTracker)
+        self.unreached: tuple[Unreached, ...] = ()  # those no path leads to (set after the passes)
 
     @property
     def effects(self) -> tuple[SideEffect, ...]:
@@ -259,6 +294,8 @@ class Ledger:
         self.typed.clear()
         self.hazards.clear()
         self.used.clear()
+        self.external.clear()
+        self.unreached = ()
 
     def written(self) -> list[tuple[SideEffect, torch.Tensor]]:
         """Each restored side effect with the tensor at its path (what ``verify()`` compares)."""
@@ -284,6 +321,9 @@ class Ledger:
         tracker.tainted.clear()
         tracker._alive.clear()
         self.used |= tracker.used
+        for k, u in tracker.external.items():
+            self.external.setdefault(k, u)
+        tracker.born.clear()
         # GC is off during capture_all: drop the tracker's references now, or every tensor it
         # watched would look held by someone (the audit would call a freed temporary "live")
         tracker.watched.clear()

@@ -222,6 +222,11 @@ class GraphRunner:
             raise
         return self
 
+    def pad_state(self, n: int) -> None:
+        """Pad the bound state to ``n`` items: rows past ``n`` by policy, as a caller's prepare does."""
+        if self.state is not None:
+            self.state.pad({a: n * m for a, m in self._captured_or_raise("pad_state").pad_axes.items()})
+
     def guard_all(self) -> Snapshot:
         """A snapshot of everything a run of the forward may change that the caller owns: every
         declared buffer but Stable scratch, and the side effects being restored."""
@@ -334,13 +339,8 @@ class GraphRunner:
         """The static inputs (declared, or every tensor argument of the example call)."""
         return self._captured_or_raise("inputs").inputs
 
-    @property
-    def device(self) -> torch.device:
-        return self._captured_or_raise("device").backend.device
-
-    @property
-    def example_items(self) -> int:
-        return self._captured_or_raise("example_items").n
+    device = property(lambda self: self._captured_or_raise("device").backend.device)
+    example_items = property(lambda self: self._captured_or_raise("example_items").n)
 
     @property
     def fallbacks(self) -> dict[str, int]:
@@ -365,8 +365,7 @@ class GraphRunner:
         """``bucket``'s capture: graph, outputs, manifest, segments, counters."""
         return self._graphs[bucket]
 
-    def graph(self, bucket: int) -> Any:
-        """The backend graph of ``bucket`` (``.replay()``, ``.node_count``, ``.pool_bytes``, ``.nodes()``)."""
+    def graph(self, bucket: int) -> Any:  # .replay(), .node_count, .pool_bytes, .nodes()
         return self._graphs[bucket].graph
 
     def outputs(self, bucket: int) -> list[torch.Tensor]:
@@ -447,4 +446,5 @@ class GraphRunner:
         hazards = tuple(dataclasses.asdict(h) for h in self._ledger.hazards.values())
         return Report(getattr(self.fn, "__qualname__", repr(self.fn)), be.name if be is not None else "-", device,
                       torch.__version__, rows, dict(self._fallbacks), effects, self._streak,
-                      bool(self._graphs) and 0 < knobs.bypass_window <= self._streak, host, hazards)
+                      bool(self._graphs) and 0 < knobs.bypass_window <= self._streak, host, hazards,
+                      tuple(dataclasses.asdict(u) for u in self._ledger.unreached))

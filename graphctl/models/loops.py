@@ -84,7 +84,8 @@ class DynamicDraft:
             self.counter.zero_()
 
             def body() -> None:
-                kv = torch.where(active, base + self.counter, meta.kv_lens[:n])  # finished requests keep theirs
+                # finished requests keep their kv_lens
+                kv = torch.where(active, eng.draft_kv_lens(base, self.counter), meta.kv_lens[:n])
                 logits = eng.draft_step(token, kv, st.write)
                 new = logits.argmax(-1)
                 conf = torch.softmax(logits.float(), -1).amax(-1)
@@ -110,7 +111,7 @@ def draft_confidences(eng: MTPEngine, ids: torch.Tensor) -> tuple[torch.Tensor, 
         base = eng.draft_begin(ids, accepted, st.write)
         token, ds, cs = bonus, [], []
         for i in range(eng.k):
-            logits = eng.draft_step(token, base + i, st.write)
+            logits = eng.draft_step(token, eng.draft_kv_lens(base, i), st.write)
             token = logits.argmax(-1)
             ds.append(token)
             cs.append(torch.softmax(logits.float(), -1).amax(-1))
@@ -204,7 +205,8 @@ class PerStepLoop:
             base = self._layout(b)
             self.token[:b].copy_(bonus_b)
             for i in range(k):
-                st.write("kv_lens", base + i)  # the refresh between steps: derived maps follow, eagerly
+                # the refresh between steps: derived maps follow, eagerly
+                st.write("kv_lens", self.eng.draft_kv_lens(base, i))
                 step.replay()
                 self.proposals[:b, i].copy_(self.token[:b])
         return StepOutput(accepted, bonus, self.proposals[:n])

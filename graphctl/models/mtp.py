@@ -125,14 +125,13 @@ class MTPEngine:
         slots = m.slot_mapping[:T]
         mgr = m.kv_cache_manager
         key_slots = (m.block_table.long()[:, self._j // bs] * bs + self._j % bs)[req]  # [T, C]
-        masked = self._j[None, :] > pos[:, None]
+        masked = self._j[None, :] > pos.clamp(min=0)[:, None]  # a padded request's -1: no row all -inf
         x = self.emb[tokens]
         for i, L in enumerate(layers):
             h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
             q, k, v = h @ L.wq, h @ L.wk, h @ L.wv
+            mgr.write(i, slots, k, v)  # padded lanes (PAD_SLOT) write nothing live
             kc, vc = mgr.k[i].view(-1, k.shape[-1]), mgr.v[i].view(-1, v.shape[-1])
-            kc.index_copy_(0, slots, k)
-            vc.index_copy_(0, slots, v)
             K, V = kc[key_slots], vc[key_slots]  # [T, C, H]
             scores = torch.einsum("th,tch->tc", q, K) / math.sqrt(q.shape[-1])
             att = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
@@ -167,7 +166,7 @@ class MTPEngine:
         base = self.draft_begin(input_ids, accepted, write)
         token, proposals = bonus, []
         for i in range(self.k):
-            token = self.draft_step(token, base + i, write).argmax(-1)
+            token = self.draft_step(token, self.draft_kv_lens(base, i), write).argmax(-1)
             proposals.append(token)
         return torch.stack(proposals, 1)
 
@@ -183,9 +182,16 @@ class MTPEngine:
         """One token a request from here on; returns the first draft step's ``kv_lens``."""
         k, meta = self.k, self.meta
         n = accepted.shape[0]
-        context = meta.kv_lens[:n] - (k + 1)
+        kv = meta.kv_lens[:n]
+        base = torch.where(kv > 0, kv - (k + 1) + accepted + 1, 0)  # a padded request (kv_lens 0) stays empty
         write("seq_lens", torch.ones_like(meta.seq_lens[:n]))
-        return (context + accepted + 1).to(meta.kv_lens.dtype)
+        return base.to(meta.kv_lens.dtype)
+
+    @staticmethod
+    def draft_kv_lens(base: torch.Tensor, i: torch.Tensor | int) -> torch.Tensor:
+        """``kv_lens`` of draft step ``i``: ``base + i``, and 0 for a padded request (its slot
+        mapping stays PAD_SLOT, so its cache writes are skipped)."""
+        return torch.where(base > 0, base + i, 0)
 
     def draft_step(self, token: torch.Tensor, kv_lens: torch.Tensor,
                    write: Callable[[str, torch.Tensor], None]) -> torch.Tensor:

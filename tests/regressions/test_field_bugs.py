@@ -115,7 +115,7 @@ def test_the_capture_query_answers_yes_only_in_the_recording_thread():
     assert torch.cuda.is_current_stream_capturing is query and torch.cuda.graphs.is_current_stream_capturing is query
 
 
-def test_graphs_captured_then_bypassed_are_reported_and_warned_once(caplog):
+def test_graphs_captured_then_bypassed_are_reported_and_warned_once(caplog, backend, device):
     # Issue 21 (vLLM #47460: the draft ran eagerly every step for months): a runner whose graphs serve none of its
     # calls said nothing beyond a per-call log line; report() now counts eager runs per bucket and says "bypassed".
     import logging
@@ -124,11 +124,11 @@ def test_graphs_captured_then_bypassed_are_reported_and_warned_once(caplog):
 
     cfg = {"scale": 2.0}
 
-    @graphctl.graphed(buckets=[2, 4], inputs=["x"], backend="emulated", fallback="eager", progress=False)
+    @graphctl.graphed(buckets=[2, 4], inputs=["x"], backend=backend, fallback="eager", progress=False)
     def step(x, cfg):
         return x * cfg["scale"]
 
-    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0)).to(device)
     step(x, cfg)  # captures, replays bucket 4
     assert not step.report().bypassed
     cfg["scale"] = 3.0  # the natural bug: a setting changed in place; every later call falls back
@@ -146,29 +146,29 @@ def test_graphs_captured_then_bypassed_are_reported_and_warned_once(caplog):
     assert not step.report().bypassed and step.report().eager_streak == 0
 
 
-def test_the_fallback_log_line_never_suggests_the_fallback_already_set(caplog):
+def test_the_fallback_log_line_never_suggests_the_fallback_already_set(caplog, backend, device):
     # Issue 21: with fallback='eager' already set, every eager call's log line still said "or pass fallback='eager'".
     import logging
 
     import graphctl
 
-    f = graphctl.graphed(lambda x: x + 1, buckets=[2], inputs=["x"], backend="emulated", fallback="eager",
+    f = graphctl.graphed(lambda x: x + 1, buckets=[2], inputs=["x"], backend=backend, fallback="eager",
                          progress=False)
-    f(torch.randn(2, 3))
+    f(torch.randn(2, 3).to(device))
     with caplog.at_level(logging.WARNING, logger="graphctl"):
-        f(torch.randn(5, 3))  # past the largest bucket
+        f(torch.randn(5, 3).to(device))  # past the largest bucket
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs and not any("fallback='eager'" in m for m in msgs), msgs
-    strict = graphctl.graphed(lambda x: x + 1, buckets=[2], inputs=["x"], backend="emulated", progress=False)
-    strict(torch.randn(2, 3))
+    strict = graphctl.graphed(lambda x: x + 1, buckets=[2], inputs=["x"], backend=backend, progress=False)
+    strict(torch.randn(2, 3).to(device))
     with pytest.raises(graphctl.ReplayError, match="fallback='eager'"):
-        strict(torch.randn(5, 3))
+        strict(torch.randn(5, 3).to(device))
 
 
 class _Sampler:
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         self.probs_valid = False  # set once real requests have written probs
-        self.probs = torch.zeros(1, 3)
+        self.probs = torch.zeros(1, 3, device=device)
 
 
 def _sampling_step(sampler):
@@ -183,17 +183,17 @@ def _sampling_step(sampler):
     return step
 
 
-def test_warmup_flipping_a_host_flag_is_named_at_capture(caplog):
+def test_warmup_flipping_a_host_flag_is_named_at_capture(caplog, backend, device):
     # Issue 21 (TensorRT-LLM #15775): warmup with dummy requests flipped draft_probs_valid, and the first real replay
     # trusted stale per-slot data; nothing said the warmup had changed host state.
     import logging
 
     import graphctl
 
-    sampler = _Sampler()
-    f = graphctl.graphed(_sampling_step(sampler), buckets=[2, 4], inputs=["x"], backend="emulated", progress=False)
+    sampler = _Sampler(device)
+    f = graphctl.graphed(_sampling_step(sampler), buckets=[2, 4], inputs=["x"], backend=backend, progress=False)
     with caplog.at_level(logging.WARNING, logger="graphctl"):
-        f.capture_all(torch.randn(4, 3))
+        f.capture_all(torch.randn(4, 3).to(device))
     assert [str(h) for h in f.host_changes] == ["sampler.probs_valid False -> True"]
     assert any("sampler.probs_valid False -> True" in r.getMessage() for r in caplog.records)
     rep = f.report()
@@ -201,26 +201,26 @@ def test_warmup_flipping_a_host_flag_is_named_at_capture(caplog):
     assert "host state changed" in str(rep)
 
 
-def test_host_state_restore_puts_the_flag_back_and_error_refuses():
+def test_host_state_restore_puts_the_flag_back_and_error_refuses(backend, device):
     # Issue 21: host_state='restore' leaves the caller's flag as it was; 'error' refuses, naming it, flag put back.
     import graphctl
 
-    sampler = _Sampler()
-    f = graphctl.graphed(_sampling_step(sampler), buckets=[2, 4], inputs=["x"], backend="emulated", progress=False,
+    sampler = _Sampler(device)
+    f = graphctl.graphed(_sampling_step(sampler), buckets=[2, 4], inputs=["x"], backend=backend, progress=False,
                          host_state="restore")
-    f.capture_all(torch.randn(4, 3))
+    f.capture_all(torch.randn(4, 3).to(device))
     assert sampler.probs_valid is False
-    sampler2 = _Sampler()
-    g = graphctl.graphed(_sampling_step(sampler2), buckets=[2], inputs=["x"], backend="emulated", progress=False,
+    sampler2 = _Sampler(device)
+    g = graphctl.graphed(_sampling_step(sampler2), buckets=[2], inputs=["x"], backend=backend, progress=False,
                          host_state="error")
     with pytest.raises(graphctl.CaptureError, match=r"sampler\.probs_valid"):
-        g.capture_all(torch.randn(2, 3))
+        g.capture_all(torch.randn(2, 3).to(device))
     assert sampler2.probs_valid is False and not g.captured
     with pytest.raises(graphctl.DeclarationError, match="host_state"):
         graphctl.graphed(lambda x: x, host_state="ignore")
 
 
-def test_cumulative_offsets_pad_as_empty_requests_with_edge_and_fixed_width_with_arange():
+def test_cumulative_offsets_pad_as_empty_requests_with_edge_and_fixed_width_with_arange(backend, device):
     # Issue 21 (xLLM #1939, SGLang #36913, vLLM #25251): padded requests must be empty sequences, so cumulative
     # offsets repeat the last live value (or continue at a fixed width); Pad had zero, fill, clamp and keep only, and a
     # zero tail made every padded request's length negative.
@@ -230,16 +230,16 @@ def test_cumulative_offsets_pad_as_empty_requests_with_edge_and_fixed_width_with
     def lengths(cu):  # per-request token counts from offsets, as attention kernels read them
         return cu[1:] - cu[:-1]
 
-    f = graphctl.graphed(lengths, buckets=[8], backend="emulated", progress=False,
+    f = graphctl.graphed(lengths, buckets=[8], backend=backend, progress=False,
                          inputs=[StaticInput("cu", pad=Pad.edge())])
-    f.capture_all(torch.arange(8, dtype=torch.int32))
-    got = f(torch.tensor([0, 3, 5, 9, 9], dtype=torch.int32))  # 4 requests (the last one empty): 5 offsets
+    f.capture_all(torch.arange(8, dtype=torch.int32).to(device))
+    got = f(torch.tensor([0, 3, 5, 9, 9], dtype=torch.int32).to(device))  # 4 requests (the last one empty): 5 offsets
     assert f.static_input("cu")[5:].tolist() == [9, 9, 9]  # padded rows repeat the last live offset
     assert got.tolist() == [3, 2, 4, 0, 0, 0, 0]  # padded requests are empty (a zero tail gave -9)
-    g = graphctl.graphed(lambda starts: starts * 1, buckets=[6], backend="emulated", progress=False,
+    g = graphctl.graphed(lambda starts: starts * 1, buckets=[6], backend=backend, progress=False,
                          inputs=[StaticInput("starts", pad=Pad.arange(4))])
-    g.capture_all(torch.arange(6, dtype=torch.int64) * 4)
-    g(torch.tensor([0, 4, 8], dtype=torch.int64))
+    g.capture_all(torch.arange(6, dtype=torch.int64).to(device) * 4)
+    g(torch.tensor([0, 4, 8], dtype=torch.int64).to(device))
     assert g.static_input("starts").tolist() == [0, 4, 8, 12, 16, 20]  # fixed-width padded requests
     with pytest.raises(graphctl.DeclarationError, match="arange"):
         Pad.arange("4")
@@ -269,7 +269,7 @@ def test_state_buffers_pad_with_edge_and_arange_all_or_nothing():
     assert m.starts.tolist() == [[100, 101], [108, 109], [116, 117], [124, 125]]
 
 
-def test_verify_flags_padded_lanes_that_write_live_memory():
+def test_verify_flags_padded_lanes_that_write_live_memory(backend, device):
     # Issue 21 (rvllm #32, SGLang #25529 "padded lanes write to reserved slot 0"): a slot-mapping input padded with
     # zero (a valid index) makes the replay write the padded lanes' K/V into slot 0 of a live request; verify()
     # compared outputs only, so it passed.
@@ -277,15 +277,15 @@ def test_verify_flags_padded_lanes_that_write_live_memory():
     from graphctl import StaticInput
 
     gen = torch.Generator().manual_seed(3)
-    kv_cache = torch.randn(64, 4, generator=gen)  # slot 0 holds a live request's K/V
+    kv_cache = torch.randn(64, 4, generator=gen).to(device)  # slot 0 holds a live request's K/V
 
     def write_kv(k, slots):
         kv_cache.index_copy_(0, slots, k)  # the paged cache write of a decode step
         return k.sum(-1)
 
-    f = graphctl.graphed(write_kv, buckets=[4, 8], backend="emulated", progress=False,
+    f = graphctl.graphed(write_kv, buckets=[4, 8], backend=backend, progress=False,
                          inputs=[StaticInput("k"), StaticInput("slots")])  # slots pad with zero: the bug
-    f.capture_all(torch.randn(8, 4, generator=gen), torch.arange(8, 16))
+    f.capture_all(torch.randn(8, 4, generator=gen).to(device), torch.arange(8, 16).to(device))
     # named at capture already: the zero-padded slots index the cache write
     assert [(z["input"], z["op"], z["target"]) for z in f.report().padding_hazards] == [
         ("slots", "aten::index_copy_", "kv_cache")]
@@ -304,20 +304,20 @@ def test_verify_flags_padded_lanes_that_write_live_memory():
         kv_cache.index_copy_(0, at, torch.where(live[:, None], k, kv_cache.index_select(0, at)))
         return k.sum(-1)
 
-    fixed = graphctl.graphed(write_kv_skipping_padding, buckets=[4, 8], backend="emulated", progress=False,
+    fixed = graphctl.graphed(write_kv_skipping_padding, buckets=[4, 8], backend=backend, progress=False,
                              inputs=[StaticInput("k"), StaticInput("slots", pad=graphctl.Pad.fill(-1))])
-    fixed.capture_all(torch.randn(8, 4, generator=gen), torch.arange(8, 16))
+    fixed.capture_all(torch.randn(8, 4, generator=gen).to(device), torch.arange(8, 16).to(device))
     assert fixed.report().padding_hazards == ()  # a negative sentinel: no hazard
     assert all(r.ok and r.write is None for r in fixed.verify(gen=torch.Generator().manual_seed(0), writes="error"))
 
 
-def test_an_output_read_after_the_next_call_overwrote_it_raises_under_the_knob():
+def test_an_output_read_after_the_next_call_overwrote_it_raises_under_the_knob(backend, device):
     # Issue 21 (PyTorch #122192): outputs are views of the static outputs; reading one after the next call of the
     # same bucket silently gave the new call's values.
     import graphctl
 
-    f = graphctl.graphed(lambda x: x * 2, buckets=[4], inputs=["x"], backend="emulated", progress=False)
-    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    f = graphctl.graphed(lambda x: x * 2, buckets=[4], inputs=["x"], backend=backend, progress=False)
+    a, b = torch.randn(4, 3).to(device), torch.randn(4, 3).to(device)
     with graphctl.knobs.scope(check_outputs=True):
         first = f(a)
         kept = first + 0  # read before the next call: fine
@@ -335,44 +335,112 @@ def test_an_output_read_after_the_next_call_overwrote_it_raises_under_the_knob()
     assert torch.equal(without, b * 2)  # the documented aliasing, knob off: no check, no cost
 
 
-def test_copy_outputs_returns_fresh_tensors():
+def test_copy_outputs_returns_fresh_tensors(backend, device):
     # Issue 21: copy_outputs=True for callers that keep outputs across calls.
     import graphctl
 
-    f = graphctl.graphed(lambda x: x * 2, buckets=[4], inputs=["x"], backend="emulated", progress=False,
+    f = graphctl.graphed(lambda x: x * 2, buckets=[4], inputs=["x"], backend=backend, progress=False,
                          copy_outputs=True)
-    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    a, b = torch.randn(4, 3).to(device), torch.randn(4, 3).to(device)
     first = f(a)
     f(b)
     assert torch.equal(first, a * 2)
 
 
-def test_a_tensor_rebound_behind_an_argument_is_named_before_the_replay():
+def test_a_tensor_rebound_behind_an_argument_is_named_before_the_replay(backend, device):
     # Issue 21 (vLLM #36611 stale tile-scheduler metadata, vLLM #37639): the engine computes a metadata tensor outside
     # the graph and rebinds it on an object the forward reads; the graph kept reading the capture-time tensor.
     import graphctl
 
     class Engine:
         def __init__(self):
-            self.sched = torch.arange(4.0)  # computed outside the graph each step
+            self.sched = torch.arange(4.0).to(device)  # computed outside the graph each step
 
         def forward(self, x):
             return x * self.sched
 
     eng = Engine()
-    f = graphctl.graphed(eng.forward, buckets=[2], inputs=["x"], backend="emulated", progress=False)
-    x = torch.randn(2, 4)
+    f = graphctl.graphed(eng.forward, buckets=[2], inputs=["x"], backend=backend, progress=False)
+    x = torch.randn(2, 4).to(device)
     f.capture_all(x)
-    eng.sched.copy_(torch.full((4,), 2.0))  # written in place: the graph reads it, fine
+    eng.sched.copy_(torch.full((4,), 2.0).to(device))  # written in place: the graph reads it, fine
     assert torch.equal(f(x), x * 2.0)
-    eng.sched = torch.full((4,), 3.0)  # the natural bug: a fresh tensor each step
+    eng.sched = torch.full((4,), 3.0).to(device)  # the natural bug: a fresh tensor each step
     with pytest.raises(graphctl.ReplayError, match="rebound since the capture") as ei:
         f(x)
     assert "self.sched" in str(ei.value)
     with graphctl.knobs.scope(check_paths=False):
         assert torch.equal(f(x), x * 2.0)  # unchecked: the capture-time tensor, silently (documented)
-    lenient = graphctl.graphed(eng.forward, buckets=[2], inputs=["x"], backend="emulated", progress=False,
+    lenient = graphctl.graphed(eng.forward, buckets=[2], inputs=["x"], backend=backend, progress=False,
                                fallback="eager")
     lenient.capture_all(x)
-    eng.sched = torch.full((4,), 5.0)
+    eng.sched = torch.full((4,), 5.0).to(device)
     assert torch.equal(lenient(x), x * 5.0)  # falls back to eager, which reads the new tensor; logged
+
+
+def test_the_reference_engine_padded_lanes_write_no_kv_of_live_sequences(backend, device, gen):
+    # Issue 21: the reference engine's own padded lanes wrote K/V through a slot mapping computed like a live one
+    # (a padded request's draft steps landed in its row's blocks); now slot_mapping is PAD_SLOT there and writes skip.
+    import graphctl
+    from graphctl.families.paged import PAD_SLOT
+    from graphctl.graphs import StaticInput
+    from graphctl.models.mtp import EngineConfig, MTPEngine
+
+    eng = MTPEngine(EngineConfig(max_seqs=8, seed=int(torch.randint(0, 1000, (1,), generator=gen))), device=device)
+    k1, m = eng.k + 1, eng.meta
+    caches = [t for mgr in (m.kv_cache_manager, m.draft_kv_cache_manager) for t in mgr.k + mgr.v]
+    for t in caches:  # live K/V everywhere: a stray write anywhere shows
+        t.copy_(torch.randn(t.shape, generator=gen).to(t))
+
+    def prepare(n: int) -> torch.Tensor:
+        kv = torch.randint(k1 + 1, eng.cfg.max_context - 2 * k1, (n,), generator=gen, dtype=torch.int32)
+        m.prepare(eng.state, torch.full((n,), k1, dtype=torch.int32), kv)
+        return torch.randint(0, eng.cfg.vocab, (n * k1,), generator=gen).to(device)
+
+    step = graphctl.graphed(eng.step, buckets=[4], inputs=[StaticInput("input_ids", per_item=k1)], backend=backend,
+                            params=eng.named_tensors(), progress=False)
+    step.capture_all(prepare(4), m)
+    ids = prepare(3)  # 3 requests in bucket 4: request 3 is padding
+    before = [t.clone() for t in caches]
+    want = eng.step(ids, m)
+    want_caches = [t.clone() for t in caches]
+    for t, b in zip(caches, before):
+        t.copy_(b)
+    got = step(ids, m)
+    assert torch.equal(got.accepted.clone(), want.accepted) and torch.equal(got.drafts.clone(), want.drafts)
+    for i, (g, w) in enumerate(zip(caches, want_caches)):
+        assert torch.equal(g, w), f"cache {i}: the replay wrote {int((g != w).sum())} values eager leaves alone"
+    assert int(m.slot_mapping[3 * k1]) == PAD_SLOT  # past the live tokens: the sentinel
+
+
+def test_a_tensor_reached_by_no_path_is_listed_at_capture(backend, device, caplog):
+    # Issue 21: metadata held where the path walk cannot go (a __slots__ holder, as perf-minded engines write them,
+    # handed out by a method) was read by the graph, and a rebinding of it could never be checked; nothing said so.
+    import logging
+
+    import graphctl
+
+    class Slots:
+        __slots__ = ("sched",)
+
+        def __init__(self) -> None:
+            self.sched = torch.arange(1.0, 5.0).to(device)
+
+    holder = Slots()
+    table = {"scale": torch.full((4,), 2.0).to(device)}  # reached: a dict the closure names
+
+    def lookup():
+        return holder.sched
+
+    def forward(x):
+        return x * lookup() + table["scale"] + torch.tensor([1.0, 2.0, 3.0, 4.0], device=x.device) * 0.5
+
+    f = graphctl.graphed(forward, buckets=[2], inputs=["x"], backend=backend, progress=False)
+    with caplog.at_level(logging.WARNING, logger="graphctl"):
+        f.capture_all(torch.randn(2, 4).to(device))
+    rep = f.report()
+    assert [(u["shape"], u["dtype"], u["op"]) for u in rep.unreached] == [((4,), "float32", "aten::mul")], rep
+    assert "test_field_bugs.py" in rep.unreached[0]["where"] and "reached by no path" in str(rep)
+    assert any("no checked path reaches" in r.getMessage() for r in caplog.records)
+    x = torch.randn(2, 4).to(device)
+    assert torch.equal(f(x).clone(), forward(x))  # listed, not refused: the replay is right while it stays put

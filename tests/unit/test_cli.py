@@ -35,6 +35,11 @@ def test_builtin_engine_report_json_png_and_dot(capsys, tmp_path):
     assert [b["bucket"] for b in doc["report"]["buckets"]] == [1, 2, 4]
     assert all(b["nodes"] > 0 and b["replay_us"] > 0 and b["eager_us"] > 0 for b in doc["report"]["buckets"])
     assert len(doc["verify"]) >= 3 and all(v["ok"] for v in doc["verify"])
+    # issue 21, no false alarms: padded replays of the engine write nothing eager leaves alone (its padded lanes'
+    # slot_mapping is PAD_SLOT, and verify pads the example's state to n), no hazard, host change or bypass
+    assert [v for v in doc["verify"] if v["write"] is not None] == [] and "warning" not in out, out
+    rep = doc["report"]
+    assert rep["padding_hazards"] == rep["host_changes"] == rep["unreached"] == [] and not rep["bypassed"]
     assert set(doc["audit"]) == {"1", "2", "4"} and all(a["errors"] == 0 for a in doc["audit"].values())
     assert [c["batch"] for c in doc["coverage"]] == ["1", "2", "3-4"]
     assert (

@@ -63,7 +63,7 @@ def test_bare_graphed_static_cache_decode_equals_eager_step_after_step():
     paths = {e.path for e in step.side_effects}
     assert "cache.layers[0].cumulative_length" in paths and "cache.layers[1].keys" in paths, paths
     rep = step.report()  # issue 21, no false alarms: nothing but the side effects is reported for this step
-    assert rep.host_changes == () and rep.padding_hazards == () and not rep.bypassed, rep
+    assert rep.host_changes == () and rep.padding_hazards == () and rep.unreached == () and not rep.bypassed, rep
     for _ in range(4):
         tok = torch.randint(0, VOCAB, (B, 1), generator=gen)
         with torch.no_grad(), warnings.catch_warnings():

@@ -9,6 +9,8 @@ the JSON form documented in ``docs/user-guide.md`` (``schema`` names its version
      "host_changes": [{"path": "sampler.probs_valid", "before": false, "after": true, "policy": "warn"}],
      "padding_hazards": [{"input": "slots", "op": "aten::index_copy_", "where": "model.py:12",
                           "target": "kv_cache"}],
+     "unreached": [{"shape": [4], "dtype": "float32", "device": "cuda:0", "op": "aten::mul",
+                    "where": "model.py:20"}],
      "buckets": [{"bucket": 8, "capture_ms": 12.5, "pool_bytes": 2097152, "nodes": 41,
                   "replay_us": 31.0 | null, "eager_us": 212.0 | null, "replays": 3, "eager_runs": 0,
                   "segments": [{"name": "target", "start": 0, "end": 30}, ...]}],
@@ -20,8 +22,8 @@ cuda-bindings is missing. ``replay_us``/``eager_us`` are medians from ``runner.m
 null until it ran. ``eager_runs`` counts the calls of a bucket's size that fell back to eager;
 ``eager_streak`` the calls since the last replay that all ran eagerly, and ``bypassed`` is true
 once it reaches ``GRAPHCTL_BYPASS_WINDOW`` (the graphs are captured but serve nothing).
-(``/2`` added ``eager_runs``, ``eager_streak``, ``bypassed``, ``host_changes`` and
-``padding_hazards`` to ``/1``.)
+(``/2`` added ``eager_runs``, ``eager_streak``, ``bypassed``, ``host_changes``,
+``padding_hazards`` and ``unreached`` to ``/1``.)
 """
 from __future__ import annotations
 
@@ -75,6 +77,9 @@ class Report:
     # padded rows of a static input indexing a write into state that outlives the call (graphs/effects.py):
     # input, op, where, target
     padding_hazards: tuple[dict[str, Any], ...] = ()
+    # tensors the forward read that existed before it ran and no checked path reaches (graphs/effects.py):
+    # shape, dtype, device, op, where
+    unreached: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -111,6 +116,9 @@ class Report:
         for z in self.padding_hazards:
             buf.write(f"padding hazard: padded rows of input '{z['input']}' index {z['op']} into {z['target']} at "
                       f"{z['where']}\n")
+        for u in self.unreached:
+            buf.write(f"reached by no path: a {u['dtype']} tensor {list(u['shape'])} on {u['device']} read by "
+                      f"{u['op']} at {u['where']}\n")
         for h in self.host_changes:
             buf.write(f"host state changed by warmup/capture ({h['policy']}): {h['path']} {h['before']!r} -> "
                       f"{h['after']!r}\n")

@@ -43,6 +43,7 @@ class Verifiable(Protocol):
     def outputs(self, bucket: int) -> list[torch.Tensor]: ...
     def static_input(self, name: str) -> torch.Tensor: ...
     def written(self, n: int) -> list[tuple[str, str, torch.Tensor]]: ...  # (name, who writes it, tensor)
+    def pad_state(self, n: int) -> None: ...  # the bound state describes a batch of n (rows past n padded)
 
 _POISON = {True: float("nan"), False: -(2**30)}
 
@@ -132,11 +133,15 @@ def verify(runner: Verifiable, *, gen: torch.Generator | None = None, rtol: floa
             lives = {si.name: _like(arguments[si.name], n * si.per_item, si.dim, gen) for si in runner.inputs}
             args, kwargs = runner.assemble({**arguments, **lives})
             with runner.guard_all() as state:
+                # both runs see a state of n items, as after a caller's prepare for n: the example's state
+                # may describe more items than n (live rows past the bucket that the replay would read)
+                runner.pad_state(n)
                 with torch.no_grad():
                     want, _ = tree_flatten_with_path(runner.fn(*args, **kwargs))
                 want = [(p, t.clone() if isinstance(t, torch.Tensor) else t) for p, t in want]
                 watched = [(name, who, t, t.clone()) for name, who, t in runner.written(n)] if writes != "off" else []
                 state.restore()
+                runner.pad_state(n)
                 for t in runner.outputs(b):
                     t.fill_(_POISON[t.dtype.is_floating_point])
                 for si in runner.inputs:
