@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from graphctl.errors import ReplayError
+from graphctl.errors import DeclarationError, ReplayError
 from graphctl.graphs.effects import storage_key
 
-__all__ = ["PathCheck", "collect", "first_moved"]
+__all__ = ["PathCheck", "check_option", "collect", "first_moved"]
 
 _MAX_DEPTH = 5
 _MAX_PATHS = 256  # past this, the check costs more than it saves: the longest are dropped first
@@ -108,6 +108,14 @@ def collect(fn: Callable[..., Any], arguments: dict[str, Any], get_arg: Callable
         visit(name, root, (), value, 0)
     visit = None  # noqa: F841 - break the function <-> cell cycle: GC is off during capture_all
     return sorted(found.values(), key=lambda c: len(c.steps))[:_MAX_PATHS]
+
+
+def check_option(value: Any) -> bool | None:
+    """``check_paths=`` as given, refused unless a bool or None (None: the knob decides)."""
+    if value is not None and not isinstance(value, bool):
+        raise DeclarationError("check_paths takes a bool or None", expected="True, False or None (the knob)",
+                               found=repr(value), fix="pass check_paths=False to skip the path check")
+    return value
 
 
 def first_moved(checks: list[PathCheck], args: tuple, kwargs: dict) -> ReplayError | None:

@@ -53,7 +53,7 @@ from graphctl.graphs.effects import Ledger, SideEffect
 from graphctl.graphs.hoststate import HostChange
 from graphctl.graphs.hoststate import check_policy as check_host_policy
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
-from graphctl.graphs.rebinding import PathCheck, first_moved
+from graphctl.graphs.rebinding import PathCheck, check_option, first_moved
 from graphctl.knobs import knobs
 from graphctl.state import BoundState, bind
 from graphctl.state.snapshot import Snapshot
@@ -79,27 +79,29 @@ class GraphRunner:
     the audit: an ``nn.Module``, a name -> tensor mapping or an iterable), ``group`` (a
     ``torch.distributed`` process group, e.g. ``dist.group.WORLD``: before each call the ranks
     agree on the bucket (the largest batch over ranks) and on falling back together, and the
-    replay's refresh switch is entered on every rank or on none; see ``graphs/distributed.py``).
-    See the module docstring for the constraints."""
+    replay's refresh switch is entered on every rank or on none; see ``graphs/distributed.py``),
+    ``check_paths`` (re-resolve before each replay the paths to tensors the forward reached;
+    ``None``: as ``GRAPHCTL_CHECK_PATHS`` says at each call). See the module docstring for the constraints."""
 
     def __init__(self, fn: Callable[..., Any], *, buckets: Sequence[int] = DEFAULT_BUCKETS, state: Any = None,
                  inputs: Sequence[str | StaticInput] | None = None, backend: str = "auto", fallback: str = "error",
                  pad_axes: Mapping[str, int] | None = None, warmup_iters: int = 2, progress: bool | None = None,
                  params: Any = None, group: Any = None, side_effects: str = "restore",
                  max_side_effect_bytes: int | None = None, host_state: str = "warn",
-                 copy_outputs: bool = False) -> None:
+                 copy_outputs: bool = False, check_paths: bool | None = None) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self._options = dict(buckets=buckets, state=state, inputs=inputs, backend=backend, fallback=fallback,
                              pad_axes=pad_axes, warmup_iters=warmup_iters, progress=progress,
                              params=params, group=group, side_effects=side_effects,
                              max_side_effect_bytes=max_side_effect_bytes, host_state=host_state,
-                             copy_outputs=copy_outputs)
+                             copy_outputs=copy_outputs, check_paths=check_paths)
         self.buckets = Buckets(buckets)
         self._ledger = Ledger(side_effects, max_side_effect_bytes)  # found by each bucket's first warmup
         check_host_policy(host_state)
         self.host_state = host_state
         self.copy_outputs = bool(copy_outputs)  # fresh tensors per call instead of views (graphs/stale.py)
+        self.check_paths = check_option(check_paths)  # None: GRAPHCTL_CHECK_PATHS decides at each call
         self.host_changes: tuple[HostChange, ...] = ()  # what capture_all's passes changed (graphs/hoststate.py)
         # state="attr" names the instance's metadata when a method is decorated (see __get__)
         self._state_attr = state if isinstance(state, str) else None
@@ -288,7 +290,7 @@ class GraphRunner:
                 return slot.spec.check(live, slot.static, n)
         if self._fixed.frozen and (err := frozen_change(self._fixed.frozen, self._sig, args, kwargs)) is not None:
             return err
-        if self._paths and _KNOBS["check_paths"]:  # tensors reached through the arguments (graphs/rebinding.py)
+        if self._paths and (_KNOBS["check_paths"] if self.check_paths is None else self.check_paths):  # rebinding.py
             return first_moved(self._paths, args, kwargs)
         return None
 
@@ -342,10 +344,7 @@ class GraphRunner:
     device = property(lambda self: self._captured_or_raise("device").backend.device)
     example_items = property(lambda self: self._captured_or_raise("example_items").n)
 
-    @property
-    def fallbacks(self) -> dict[str, int]:
-        """Eager fallbacks so far, by reason (a copy)."""
-        return dict(self._fallbacks)
+    fallbacks = property(lambda self: dict(self._fallbacks), doc="Eager fallbacks so far, by reason (a copy).")
 
     def example_arguments(self) -> dict[str, Any]:
         """The example call of ``capture_all``, bound by parameter name."""
@@ -361,8 +360,7 @@ class GraphRunner:
         :func:`graphctl.graphs.capture.written`); ``verify()`` compares each after eager and replay."""
         return written(self.state, self._captured_or_raise("written"), self._ledger, n)
 
-    def record(self, bucket: int) -> Captured:
-        """``bucket``'s capture: graph, outputs, manifest, segments, counters."""
+    def record(self, bucket: int) -> Captured:  # graph, outputs, manifest, segments, counters
         return self._graphs[bucket]
 
     def graph(self, bucket: int) -> Any:  # .replay(), .node_count, .pool_bytes, .nodes()

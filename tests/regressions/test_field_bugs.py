@@ -371,6 +371,14 @@ def test_a_tensor_rebound_behind_an_argument_is_named_before_the_replay(backend,
     assert "self.sched" in str(ei.value)
     with graphctl.knobs.scope(check_paths=False):
         assert torch.equal(f(x), x * 2.0)  # unchecked: the capture-time tensor, silently (documented)
+    eng.sched = torch.full((4,), 3.0).to(device)
+    unchecked = graphctl.graphed(eng.forward, buckets=[2], inputs=["x"], backend=backend, progress=False,
+                                 check_paths=False)  # the option, over the knob
+    unchecked.capture_all(x)
+    eng.sched = torch.full((4,), 4.0).to(device)
+    assert torch.equal(unchecked(x), x * 3.0)
+    with graphctl.knobs.scope(check_paths=False), pytest.raises(graphctl.DeclarationError, match="check_paths"):
+        graphctl.graphed(eng.forward, check_paths="yes")
     lenient = graphctl.graphed(eng.forward, buckets=[2], inputs=["x"], backend=backend, progress=False,
                                fallback="eager")
     lenient.capture_all(x)
