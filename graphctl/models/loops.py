@@ -80,7 +80,7 @@ class DynamicDraft:
             base.copy_(eng.draft_begin(input_ids, accepted, st.write))
             token.copy_(bonus)
             props.zero_()
-            active.fill_(True)
+            torch.gt(base, 0, out=active)  # padded requests (base 0) are done at once: they never extend the loop
             self.counter.zero_()
 
             def body() -> None:

@@ -441,7 +441,7 @@ def test_a_tensor_reached_by_no_path_is_listed_at_capture(backend, device, caplo
         return holder.sched
 
     def forward(x):
-        return x * lookup() + table["scale"] + torch.tensor([1.0, 2.0, 3.0, 4.0], device=x.device) * 0.5
+        return x * lookup() + table["scale"] + torch.arange(4.0, device=x.device) * 0.5
 
     f = graphctl.graphed(forward, buckets=[2], inputs=["x"], backend=backend, progress=False)
     with caplog.at_level(logging.WARNING, logger="graphctl"):
@@ -452,3 +452,6 @@ def test_a_tensor_reached_by_no_path_is_listed_at_capture(backend, device, caplo
     assert any("no checked path reaches" in r.getMessage() for r in caplog.records)
     x = torch.randn(2, 4).to(device)
     assert torch.equal(f(x).clone(), forward(x))  # listed, not refused: the replay is right while it stays put
+    table["scale"] = table["scale"].clone()  # the reached one is checked (through a dict key): rebound is named
+    with pytest.raises(graphctl.ReplayError, match=r"table\['scale'\]"):
+        f(x)
