@@ -13,6 +13,7 @@ from graphctl.errors import (
                              GraphctlError,
                              NestedSwitchError,
                              ReplayError,
+                             RepointError,
                              StaleBufferError,
                              SwitchError,
 )
@@ -26,6 +27,6 @@ __all__ = [
     "Swap", "CopyInPlace", "Recompute", "Stable", "Pad",
     "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError", "ConcurrentUseError",
     "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
-    "graphed", "GraphRunner", "StaticInput", "Report", "CaptureTarget",
+    "RepointError", "graphed", "GraphRunner", "StaticInput", "Report", "CaptureTarget",
     "knobs", "ops", "__version__",
 ]

@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError",
-           "ConcurrentUseError", "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError"]
+           "ConcurrentUseError", "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
+           "RepointError"]
 
 _MISSING = object()
 
@@ -106,3 +107,8 @@ class CaptureError(GraphctlError):
 class ReplayError(GraphctlError):
     """A call cannot be served by its captured graph: a static buffer or frozen argument moved
     since capture, or the live inputs do not fit the static input buffers."""
+
+
+class RepointError(ReplayError):
+    """Captured graphs cannot be re-pointed at a new state's buffers (``runner.repoint``): the
+    layouts differ, or an old address sits where it cannot be rewritten safely. Nothing changed."""

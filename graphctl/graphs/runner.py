@@ -54,6 +54,7 @@ from graphctl.graphs.hoststate import HostChange
 from graphctl.graphs.hoststate import check_policy as check_host_policy
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
 from graphctl.graphs.rebinding import PathCheck, check_option, first_moved
+from graphctl.graphs.repoint import repoint
 from graphctl.knobs import knobs
 from graphctl.state import BoundState, bind
 from graphctl.state.snapshot import Snapshot
@@ -224,6 +225,11 @@ class GraphRunner:
             raise
         return self
 
+    def repoint(self, state: BoundState) -> dict[int, int]:
+        """Re-point every graph at ``state``, bound again after buffers moved (``graphs/repoint.py``)."""
+        done, self.state = repoint(self._graphs, self.state, state), state
+        return done
+
     def pad_state(self, n: int) -> None:
         """Pad the bound state to ``n`` items: rows past ``n`` by policy, as a caller's prepare does."""
         if self.state is not None:
@@ -346,8 +352,7 @@ class GraphRunner:
 
     fallbacks = property(lambda self: dict(self._fallbacks), doc="Eager fallbacks so far, by reason (a copy).")
 
-    def example_arguments(self) -> dict[str, Any]:
-        """The example call of ``capture_all``, bound by parameter name."""
+    def example_arguments(self) -> dict[str, Any]:  # the example call of capture_all, by parameter name
         args, kwargs = self._captured_or_raise("using the example").example
         return self._sig.bind(args, kwargs)
 
@@ -356,8 +361,7 @@ class GraphRunner:
         return self._sig.assemble(values)
 
     def written(self, n: int) -> list[tuple[str, str, torch.Tensor]]:
-        """``(name, who writes it, tensor)`` of what a run may write that the caller owns (see
-        :func:`graphctl.graphs.capture.written`); ``verify()`` compares each after eager and replay."""
+        """``(name, who writes it, tensor)`` of what a run may write that the caller owns (``capture.written``)."""
         return written(self.state, self._captured_or_raise("written"), self._ledger, n)
 
     def record(self, bucket: int) -> Captured:  # graph, outputs, manifest, segments, counters
@@ -366,15 +370,13 @@ class GraphRunner:
     def graph(self, bucket: int) -> Any:  # .replay(), .node_count, .pool_bytes, .nodes()
         return self._graphs[bucket].graph
 
-    def outputs(self, bucket: int) -> list[torch.Tensor]:
-        """The static output tensors of ``bucket``'s graph (tests poison them before replay)."""
+    def outputs(self, bucket: int) -> list[torch.Tensor]:  # the static output tensors of bucket's graph
         return [t for t in self._graphs[bucket].out_flat if isinstance(t, torch.Tensor)]
 
     def segments(self, bucket: int) -> tuple[Segment, ...]:
         return self._graphs[bucket].segments
 
-    def static_input(self, name: str) -> torch.Tensor:
-        """The static buffer behind input ``name`` (tests poison its padding with it)."""
+    def static_input(self, name: str) -> torch.Tensor:  # the static buffer behind input name
         return next(slot.static for slot in self._captured_or_raise("static_input").slots if slot.spec.name == name)
 
     def measure(self, iters: int = 20) -> GraphRunner:

@@ -29,6 +29,7 @@ class CapturedGraph(Protocol):
     def replay(self) -> None: ...
     def nodes(self) -> list[Node]: ...  # capture order, bodies nested (graphs/analysis/nodes.py)
     def memory_regions(self) -> list[Region]: ...  # pools and allocator blocks, for the audit
+    def repoint(self, moves: list[Any]) -> Callable[[], int]: ...  # checks now; the call rewrites (graphs/repoint.py)
 
 
 class GraphBackend(Protocol):

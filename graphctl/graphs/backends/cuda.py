@@ -22,14 +22,18 @@ from typing import Any
 
 import torch
 
-from graphctl.errors import CaptureError
+from graphctl import bindings
+from graphctl.errors import CaptureError, RepointError
 from graphctl.graphs.backends.cuda_nodes import (
     allocator_regions,
+    apply_patches,
     capturing_nodes,
     dot_print,
     graph_nodes,
+    kernel_patches,
     read_cuda_nodes,
 )
+from graphctl.graphs.repoint import lookup
 from graphctl.state.phase import capture_invalidated
 
 __all__ = ["CudaBackend", "CudaGraph", "refuse_nested_capture"]
@@ -100,6 +104,26 @@ class CudaGraph:
 
     def replay(self) -> None:
         self._graph.replay()
+
+    def repoint(self, moves: list) -> Callable[[], int]:
+        """Check now that every address inside a moved span (``graphs/repoint.py``) is a kernel
+        argument it can rewrite (``RepointError`` otherwise, nothing changed); the returned call
+        rewrites them in the instantiated graph and its template and says how many nodes."""
+        if bindings.driver() is None or not self.order:
+            raise RepointError("this CUDA graph cannot be re-pointed", buffer=moves[0].name if moves else None,
+                               expected="cuda-bindings and the graph's node handles", found="neither is available",
+                               fix="install cuda-bindings, or reset() and capture again")
+        patches, why = kernel_patches(self.order, lambda a: lookup(moves, a))
+        if why:
+            raise RepointError("an old address sits where it cannot be rewritten safely", buffer=None,
+                               expected="addresses only in kernel arguments of the top-level graph", found=why,
+                               fix="reset() and capture again (a memcpy node, a library kernel's opaque arguments "
+                                   "or a conditional body holds it)")
+        def apply() -> int:
+            apply_patches(self._graph.raw_cuda_graph_exec(), patches)
+            return len(patches)
+
+        return apply
 
 
 class CudaBackend:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +15,8 @@ import torch
 from graphctl import bindings
 from graphctl.graphs.analysis.nodes import Node, Ref, Region, is_library_kernel, short_name
 
-__all__ = ["graph_nodes", "capturing_nodes", "read_cuda_nodes", "register_bodies", "dot_print", "allocator_regions"]
+__all__ = ["graph_nodes", "capturing_nodes", "read_cuda_nodes", "register_bodies", "dot_print", "allocator_regions",
+           "kernel_patches", "apply_patches"]
 
 _WORD = 8
 _MAX_PARAMS = 4096
@@ -197,6 +198,83 @@ def read_cuda_nodes(order: Sequence[int]) -> list[Node]:
             n = dataclasses.replace(n, body=tuple(body), note=note)
         nodes.append(n)
     return nodes
+
+
+def _patched(data: bytes, lookup: Callable[[int], int | None]) -> bytes | None:
+    """``data`` with every 8-byte word that is an old address rewritten, or None if none is."""
+    out, hit = bytearray(data), False
+    for off in range(0, len(data) - _WORD + 1, _WORD):
+        v = int.from_bytes(data[off:off + _WORD], "little")
+        new = lookup(v) if v >= 1 << 16 else None
+        if new is not None:
+            out[off:off + _WORD] = new.to_bytes(_WORD, "little")
+            hit = True
+    return bytes(out) if hit else None
+
+
+def kernel_patches(order: Sequence[int], lookup: Callable[[int], int | None]) -> tuple[list[tuple[Any, Any, Any]], str]:
+    """For re-pointing (``graphs/repoint.py``): the kernel nodes of ``order`` whose arguments hold
+    an address ``lookup`` maps, each as ``(node, params with the new arguments, buffers to keep
+    alive)``; or ``([], why)`` naming the first address that cannot be rewritten safely (a
+    memcpy or memset node, a library kernel's ``extra`` buffer, a conditional body or child
+    graph, an unreadable node). Only reads: nothing is changed."""
+    drv = bindings.driver()
+    patches = []
+    for i, h in enumerate(order):
+        node = drv.CUgraphNode(init_value=h)
+        kind = _kind(drv, node)
+        if kind != "kernel":
+            read = _READERS.get(kind)
+            n = read(drv, node, i) if read else Node(i, kind, kind)
+            body: list[Node] = []
+            if kind in ("conditional", "graph"):
+                graphs, note = _bodies(drv, node, h, kind)
+                if note:
+                    return [], f"node {i} ({kind}): {note}"
+                body = [x for g in graphs for x in read_cuda_nodes(graph_nodes(g) or [])]
+            for x in (n, *body):
+                hit = next((r for r in x.refs if lookup(r.address) is not None), None)
+                if hit is not None:
+                    return [], f"node {i} ({kind}{', in its body' if x is not n else ''}) holds {hit.address:#x}"
+            continue
+        ok, out = _ok(drv.cuGraphKernelNodeGetParams(node))
+        if not ok:
+            return [], f"node {i}: kernel parameters not readable"
+        p = out[0]
+        kp, extra = _int(p.kernelParams), _int(p.extra)
+        if not kp:
+            refs = _kernel(drv, node, i).refs
+            hit = next((r for r in refs if lookup(r.address) is not None), None)
+            if hit is not None or not extra:
+                return [], f"node {i}: an address inside a library kernel's opaque argument buffer"
+            continue
+        func = p.func
+        params, changed = [], False
+        for k in range(_MAX_PARAMS):
+            ok, info = _ok(drv.cuFuncGetParamInfo(func, k)) if _int(func) else _ok(drv.cuKernelGetParamInfo(p.kern, k))
+            if not ok:
+                break
+            ptr = ctypes.c_uint64.from_address(kp + _WORD * k).value
+            data = ctypes.string_at(ptr, int(info[1])) if ptr else b""
+            new = _patched(data, lookup)
+            changed |= new is not None
+            params.append(new if new is not None else data)
+        if changed:
+            bufs = [ctypes.create_string_buffer(d, max(len(d), 1)) for d in params]
+            table = (ctypes.c_void_p * len(bufs))(*[ctypes.addressof(b) for b in bufs])
+            p.kernelParams = ctypes.addressof(table)
+            patches.append((node, p, (bufs, table)))
+    return patches, ""
+
+
+def apply_patches(raw_exec: int, patches: list[tuple[Any, Any, Any]]) -> None:
+    """Write ``kernel_patches``' new arguments into the instantiated graph and its template."""
+    drv = bindings.driver()
+    exe = drv.CUgraphExec(init_value=raw_exec)
+    for node, p, _keep in patches:
+        for r in (drv.cuGraphExecKernelNodeSetParams(exe, node, p), drv.cuGraphKernelNodeSetParams(node, p)):
+            if int(r[0]) != 0:
+                raise RuntimeError(f"re-pointing a kernel node failed: {r[0]}")
 
 
 def dot_print(raw_graph: int, path: str, verbose: bool = True) -> None:

@@ -138,6 +138,33 @@ class EmulatedGraph:
                     for i, t in op.fresh:
                         t.copy_(flat[i])
 
+    def repoint(self, moves: list) -> Callable[[], int]:
+        """The call that swaps every recorded tensor inside a moved span (``graphs/repoint.py``)
+        for the same view of the new storage and says how many; nothing here can refuse."""
+        return lambda: self._repoint(moves)
+
+    def _repoint(self, moves: list) -> int:
+        count = 0
+
+        def fix(v: Any) -> Any:
+            nonlocal count
+            if isinstance(v, torch.Tensor) and v.device.type != "meta" and v.numel():
+                for m in moves:
+                    if m.start <= v.data_ptr() < m.end:
+                        count += 1
+                        at = (v.data_ptr() - m.start + m.new_start - m.new.untyped_storage().data_ptr())
+                        return torch.empty(0, dtype=v.dtype, device=v.device).set_(
+                            m.new.untyped_storage(), at // v.element_size(), v.shape, v.stride())
+                return v
+            if isinstance(v, (list, tuple)):
+                return type(v)(fix(e) for e in v)
+            return v
+
+        for op in self._ops:
+            op.args = tuple(fix(a) for a in op.args)
+            op.kwargs = {k: fix(a) for k, a in op.kwargs.items()}
+        return count
+
     def op_names(self) -> list[str]:
         return [op.func._schema.name for op in self._ops]
 

@@ -1,0 +1,123 @@
+"""Captured graphs re-pointed at moved buffers, without recapture.
+
+A KV pool grown or a block table reallocated means a new metadata object state: the user binds
+it again (``bind`` refuses a buffer rebound behind its back). Every captured graph still bakes
+the old addresses. Peers recapture everything (seconds per graph). graphctl knows, from the
+bound states, which tensor every old address belonged to, so :func:`repoint` rewrites the
+addresses in place:
+
+- every declared buffer (twins and ``Stable`` scratch included) and every snapshot arena of the
+  old state is paired with the same entry of the new one; each pair must agree in shape, dtype,
+  strides and device (:class:`~graphctl.errors.RepointError` otherwise, nothing patched);
+- each graph rewrites every reference into an old span to the same offset in the new one:
+  emulated graphs swap the recorded tensors for views of the new storage; CUDA graphs patch
+  the kernel-node arguments of the instantiated graph (``cuGraphExecKernelNodeSetParams``) and of
+  its template. An address the CUDA backend cannot rewrite safely (inside a library kernel's
+  opaque ``extra`` buffer, a memcpy or memset node, a conditional body) refuses the whole
+  re-point before anything changed;
+- the runner then takes the new state and the new addresses as its manifest.
+
+What stays the caller's job: the forward must read the new state too (an engine holding
+``self.state`` sets it to the new one), and the old buffers' contents are not copied.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from graphctl.errors import RepointError
+
+__all__ = ["Move", "entries", "lookup", "moves_between", "repoint"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Move:
+    """Bytes ``[start, end)`` of ``name`` now live at ``new_start`` (same layout)."""
+
+    name: str
+    start: int
+    end: int
+    new_start: int
+    new: torch.Tensor  # the tensor now at new_start (emulated graphs re-view its storage)
+
+    def map(self, address: int) -> int | None:
+        """The new address of ``address``, or None when it is not in this move's span."""
+        return address - self.start + self.new_start if self.start <= address < self.end else None
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """First and one-past-last byte ``t`` can touch (its strides included)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def moves_between(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> list[Move]:
+    """The moves from ``old`` to ``new`` (name -> tensor, the same names), unmoved ones left
+    out; :class:`RepointError` naming the first entry whose layout differs."""
+    if set(old) != set(new):
+        missing, extra = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+        raise RepointError("the new state declares other buffers", buffer=(missing or extra)[0],
+                           expected=f"the captured state's {len(old)} entries",
+                           found=f"missing {missing}, extra {extra}",
+                           fix="bind the new metadata object with the same spec the graphs were captured with")
+    moves = []
+    for name, a in old.items():
+        b = new[name]
+        if (a.shape, a.dtype, a.stride(), a.device) != (b.shape, b.dtype, b.stride(), b.device):
+            raise RepointError("a moved buffer changed its layout", buffer=name,
+                               expected=f"{tuple(a.shape)} {a.dtype} strides {a.stride()} on {a.device}",
+                               found=f"{tuple(b.shape)} {b.dtype} strides {b.stride()} on {b.device}",
+                               fix="allocate the new buffer with the captured shape, dtype and strides (a different "
+                                   "size bakes different launch shapes: reset() and capture again)")
+        if a.data_ptr() != b.data_ptr():
+            start, end = _span(a)
+            moves.append(Move(name, start, end, b.data_ptr(), b))
+    spans = sorted((m.start, m.end, m.new_start - m.start, m.name) for m in moves)
+    for (_, e0, d0, n0), (s1, _, d1, n1) in zip(spans, spans[1:]):
+        if s1 < e0 and d0 != d1:  # declared aliases share memory: they must move together, by one offset
+            raise RepointError("two moved buffers overlap in the old memory but moved apart", buffer=n1,
+                               expected=f"{n1} at the same offset from {n0} as before", found="a different offset",
+                               fix="keep aliased buffers views of one new tensor, as they were of the old one")
+    return moves
+
+
+def lookup(moves: list[Move], address: int) -> int | None:
+    """The new address of ``address`` under ``moves``, or None when none covers it."""
+    for m in moves:
+        if (got := m.map(address)) is not None:
+            return got
+    return None
+
+
+def entries(state: Any) -> dict[str, torch.Tensor]:
+    """What a state's captured graphs may hold the address of: its declared buffers (twins and
+    scratch included) and its snapshot arenas."""
+    out = {n: state.tensor(n) for n in state.plan.buffers}
+    out.update({f"arena {n}": t for n, t in state.arenas().items()})
+    return out
+
+
+def repoint(graphs: Mapping[int, Any], old: Any, new: Any) -> dict[int, int]:
+    """Re-point every captured bucket (``Captured``: graph and manifest) from state ``old`` to
+    ``new``: all checked first (``RepointError``, nothing changed), then all rewritten; returns
+    bucket -> nodes (CUDA) or recorded tensors (emulated) rewritten."""
+    if old is None or new is None:
+        raise RepointError("re-pointing needs the runner's bound state", buffer=None,
+                           expected="a runner built with state= and a newly bound state of the same spec",
+                           found="no state" if old is None else "None", fix="pass state= to graphed(), then "
+                           "runner.repoint(graphctl.bind(meta)) after moving its buffers")
+    if new is old:
+        return {b: 0 for b in graphs}
+    moves = moves_between(entries(old), entries(new))
+    applies = {b: cap.graph.repoint(moves) for b, cap in sorted(graphs.items())}
+    done = {b: apply() for b, apply in applies.items()}
+    addresses = new.addresses()
+    for cap in graphs.values():
+        cap.manifest = {n: addresses.get(n, a) for n, a in cap.manifest.items()}
+        cap.checked = False
+    return done
