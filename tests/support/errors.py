@@ -23,6 +23,7 @@ from graphctl import (
     Recompute,
     Registry,
     ReplayError,
+    RepointError,
     Stable,
     StaleBufferError,
     StateSpec,
@@ -50,6 +51,29 @@ class Case:
 
 PINNED_MESSAGE = ("[h] _Obj.h: host buffer is not pinned: expected pinned memory, found pageable memory. "
                   "Fix: allocate with pin_memory=True so copies are asynchronous")
+
+
+def _repoint_engine(max_seqs: int, with_state: bool = True):
+    from graphctl.graphs import StaticInput
+    from graphctl.models.mtp import EngineConfig, MTPEngine
+
+    eng = MTPEngine(EngineConfig(max_seqs=max_seqs, layers=1), device="cpu")
+    eng.meta.prepare(eng.state, torch.full((2,), 4, dtype=torch.int32), torch.full((2,), 9, dtype=torch.int32))
+    f = graphed(eng.step, buckets=[2], inputs=[StaticInput("input_ids", per_item=4)], backend="emulated",
+                progress=False, state=eng.state if with_state else None)
+    f.capture_all(torch.arange(8) % eng.cfg.vocab, eng.meta)
+    return eng, f
+
+
+def _repoint_other_layout():
+    _, f = _repoint_engine(4)
+    other, _ = _repoint_engine(2)
+    f.repoint(other.state)
+
+
+def _repoint_without_state():
+    eng, f = _repoint_engine(4, with_state=False)
+    f.repoint(eng.state)
 
 
 def _spec(*decls):
@@ -984,6 +1008,12 @@ CASES: list[Case] = [
     Case("capture-host-state", CaptureError, "capture", "host_state='error' and a warmup flipping a host flag",
          lambda: graphed(_host_flag_forward(), buckets=[2], inputs=["x"], backend="emulated", progress=False,
                          host_state="error").capture_all(torch.ones(2, 3))),
+    Case("repoint-layout", RepointError, "repoint", "runner.repoint(state) with a state of other buffer sizes",
+         _repoint_other_layout),
+    Case("repoint-no-state", RepointError, "repoint", "runner.repoint(state) on a runner built without state=",
+         _repoint_without_state),
+    Case("check-paths-option", DeclarationError, "declaration", "check_paths= given a non-bool",
+         lambda: graphed(lambda x: x, check_paths="yes")),
     Case("loop-mode", DeclarationError, "capture", "an unknown draft-loop mode", _unknown_loop_mode),
     Case("loop-needs-cuda", CaptureError, "capture", "mode='device_loop' on the emulated backend", _loop_on_cpu),
     Case("loop-recorded", CaptureError, "capture", "a device loop run under the emulated recorder", _loop_recorded),
