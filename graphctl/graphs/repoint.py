@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from graphctl.errors import RepointError
+from graphctl.state.interrupts import deferred
 
 __all__ = ["Move", "entries", "lookup", "moves_between", "repoint"]
 
@@ -102,22 +103,33 @@ def entries(state: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def repoint(graphs: Mapping[int, Any], old: Any, new: Any) -> dict[int, int]:
-    """Re-point every captured bucket (``Captured``: graph and manifest) from state ``old`` to
-    ``new``: all checked first (``RepointError``, nothing changed), then all rewritten; returns
-    bucket -> nodes (CUDA) or recorded tensors (emulated) rewritten."""
+def repoint(runner: Any, new: Any) -> dict[int, int]:
+    """Re-point every captured bucket of ``runner`` (a ``GraphRunner``) from its state to
+    ``new``: all checked first (``RepointError``, nothing changed), then all rewritten; the
+    runner takes ``new``. Returns bucket -> nodes (CUDA) or recorded tensors (emulated) rewritten."""
+    old = runner.state
     if old is None or new is None:
         raise RepointError("re-pointing needs the runner's bound state", buffer=None,
                            expected="a runner built with state= and a newly bound state of the same spec",
                            found="no state" if old is None else "None", fix="pass state= to graphed(), then "
                            "runner.repoint(graphctl.bind(meta)) after moving its buffers")
-    if new is old:
-        return {b: 0 for b in graphs}
-    moves = moves_between(entries(old), entries(new))
-    applies = {b: cap.graph.repoint(moves) for b, cap in sorted(graphs.items())}
-    done = {b: apply() for b, apply in applies.items()}
+    graphs = {b: runner.record(b) for b in runner.captured}
+    moves = moves_between(entries(old), entries(new)) if new is not old else []
+    applies = {b: cap.graph.repoint(moves) for b, cap in graphs.items()} if moves else {}
     addresses = new.addresses()
-    for cap in graphs.values():
-        cap.manifest = {n: addresses.get(n, a) for n, a in cap.manifest.items()}
-        cap.checked = False
-    return done
+    # a Ctrl-C is held until every graph is rewritten; a driver failure halfway leaves graphs
+    # that point partly at the old memory: they are dropped and the next call captures again
+    with deferred():
+        try:
+            done = {b: apply() for b, apply in applies.items()}
+        except BaseException as exc:
+            runner.reset()
+            runner.state = new
+            exc.add_note("graphctl: re-pointing failed partway; every captured graph was dropped (the next call "
+                         "captures again, against the new state)")
+            raise
+        for cap in graphs.values():
+            cap.manifest = {n: addresses.get(n, a) for n, a in cap.manifest.items()}
+            cap.checked = False
+        runner.state = new
+    return {b: done.get(b, 0) for b in graphs}

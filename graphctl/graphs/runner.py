@@ -227,8 +227,7 @@ class GraphRunner:
 
     def repoint(self, state: BoundState) -> dict[int, int]:
         """Re-point every graph at ``state``, bound again after buffers moved (``graphs/repoint.py``)."""
-        done, self.state = repoint(self._graphs, self.state, state), state
-        return done
+        return repoint(self, state)
 
     def pad_state(self, n: int) -> None:
         """Pad the bound state to ``n`` items: rows past ``n`` by policy, as a caller's prepare does."""

@@ -92,3 +92,26 @@ def test_repoint_is_faster_than_recapture(gen):
     t0 = time.perf_counter()
     step.repoint(new_state)
     assert time.perf_counter() - t0 < capture_s
+
+
+def test_a_repoint_failing_halfway_drops_every_graph_and_the_next_call_captures_again(gen):
+    # Issue 19: a rewrite that fails after another bucket's was applied must not leave graphs reading old memory.
+    eng, step = _engine("cpu", gen)
+    step.capture_all(_prepare(eng, 8, gen), eng.meta)
+    new_state = _move_every_buffer(eng)
+    eng.state = new_state
+    graph = step.record(4).graph
+    check = graph.repoint
+
+    def broken(moves):
+        check(moves)  # the check passes; the rewrite fails
+        return lambda: (_ for _ in ()).throw(KeyboardInterrupt())
+
+    graph.repoint = broken
+    with pytest.raises(KeyboardInterrupt) as ei:
+        step.repoint(new_state)
+    assert "dropped" in "".join(getattr(ei.value, "__notes__", []))
+    assert step.captured == () and step.state is new_state
+    ids = _prepare(eng, 5, gen)  # the next call captures again, against the new state
+    want = eng.step(ids, eng.meta)
+    assert torch.equal(step(ids, eng.meta).drafts.clone(), want.drafts)

@@ -212,20 +212,74 @@ def _patched(data: bytes, lookup: Callable[[int], int | None]) -> bytes | None:
     return bytes(out) if hit else None
 
 
-def kernel_patches(order: Sequence[int], lookup: Callable[[int], int | None]) -> tuple[list[tuple[Any, Any, Any]], str]:
-    """For re-pointing (``graphs/repoint.py``): the kernel nodes of ``order`` whose arguments hold
-    an address ``lookup`` maps, each as ``(node, params with the new arguments, buffers to keep
-    alive)``; or ``([], why)`` naming the first address that cannot be rewritten safely (a
-    memcpy or memset node, a library kernel's ``extra`` buffer, a conditional body or child
-    graph, an unreadable node). Only reads: nothing is changed."""
+def _moved(address: int, nbytes: int, lookup: Callable[[int], int | None]) -> int | None:
+    """How far ``[address, address + nbytes)`` moved, None if not at all; a range only partly
+    inside a move (or across two moving apart) is ``-1``: not patchable."""
+    first = lookup(address)
+    last = lookup(address + max(nbytes, 1) - 1)
+    if first is None and last is None:
+        return None
+    if first is None or last is None or first - address != last - (address + max(nbytes, 1) - 1):
+        return -1
+    return first - address
+
+
+def _copy_patch(drv, node, kind: str, lookup: Callable[[int], int | None]) -> tuple[Any, str] | None:
+    """The memcpy or memset node's parameters with moved device addresses rewritten; None when
+    none moved; ``(None, why)`` when one cannot be rewritten (host memory, a partial overlap)."""
+    if kind == "memset":
+        ok, out = _ok(drv.cuGraphMemsetNodeGetParams(node))
+        if not ok:
+            return None, "memset parameters not readable"
+        p = out[0]
+        nbytes = int(p.elementSize) * int(p.width) * max(1, int(p.height))
+        d = _moved(_int(p.dst), nbytes, lookup)
+        if d is None:
+            return None
+        if d == -1:
+            return None, "a memset straddles a moved buffer"
+        p.dst = drv.CUdeviceptr(_int(p.dst) + d)
+        return p, ""
+    ok, out = _ok(drv.cuGraphMemcpyNodeGetParams(node))
+    if not ok:
+        return None, "memcpy parameters not readable"
+    p = out[0]
+    nbytes = int(p.WidthInBytes) * max(1, int(p.Height)) * max(1, int(p.Depth))
+    changed = False
+    for side in ("src", "dst"):
+        base = _int(getattr(p, f"{side}Device"))
+        start = base + int(getattr(p, f"{side}XInBytes")) + int(getattr(p, f"{side}Pitch")) * (
+            int(getattr(p, f"{side}Y")) + int(getattr(p, f"{side}Height")) * int(getattr(p, f"{side}Z")))
+        d = _moved(start, nbytes, lookup) if int(getattr(p, f"{side}MemoryType")) != 1 else None  # 1: host
+        if d == -1:
+            return None, f"a memcpy {side} straddles a moved buffer"
+        if d:
+            setattr(p, f"{side}Device", drv.CUdeviceptr(base + d))
+            changed = True
+    return (p, "") if changed else None
+
+
+def kernel_patches(order: Sequence[int], lookup: Callable[[int], int | None]) -> tuple[list[tuple[Any, ...]], str]:
+    """For re-pointing (``graphs/repoint.py``): the nodes of ``order`` holding an address
+    ``lookup`` maps, each as ``(kind, node, new parameters, buffers to keep alive)`` (kernel
+    arguments, memcpy and memset device addresses rewritten); or ``([], why)`` naming the first
+    address that cannot be rewritten safely (a library kernel's opaque ``extra`` buffer, a
+    conditional body or child graph, a copy straddling a moved buffer, an unreadable node).
+    Only reads: nothing is changed."""
     drv = bindings.driver()
-    patches = []
+    patches: list[tuple[Any, ...]] = []
     for i, h in enumerate(order):
         node = drv.CUgraphNode(init_value=h)
         kind = _kind(drv, node)
+        if kind in ("memcpy", "memset"):
+            got = _copy_patch(drv, node, kind, lookup)
+            if got is not None and got[0] is None:
+                return [], f"node {i} ({kind}): {got[1]}"
+            if got is not None:
+                patches.append((kind, node, got[0], None))
+            continue
         if kind != "kernel":
-            read = _READERS.get(kind)
-            n = read(drv, node, i) if read else Node(i, kind, kind)
+            n = Node(i, kind, kind)
             body: list[Node] = []
             if kind in ("conditional", "graph"):
                 graphs, note = _bodies(drv, node, h, kind)
@@ -244,8 +298,7 @@ def kernel_patches(order: Sequence[int], lookup: Callable[[int], int | None]) ->
         kp, extra = _int(p.kernelParams), _int(p.extra)
         if not kp:
             refs = _kernel(drv, node, i).refs
-            hit = next((r for r in refs if lookup(r.address) is not None), None)
-            if hit is not None or not extra:
+            if any(lookup(r.address) is not None for r in refs) or not extra:
                 return [], f"node {i}: an address inside a library kernel's opaque argument buffer"
             continue
         func = p.func
@@ -263,18 +316,29 @@ def kernel_patches(order: Sequence[int], lookup: Callable[[int], int | None]) ->
             bufs = [ctypes.create_string_buffer(d, max(len(d), 1)) for d in params]
             table = (ctypes.c_void_p * len(bufs))(*[ctypes.addressof(b) for b in bufs])
             p.kernelParams = ctypes.addressof(table)
-            patches.append((node, p, (bufs, table)))
+            patches.append(("kernel", node, p, (bufs, table)))
     return patches, ""
 
 
-def apply_patches(raw_exec: int, patches: list[tuple[Any, Any, Any]]) -> None:
-    """Write ``kernel_patches``' new arguments into the instantiated graph and its template."""
+def apply_patches(raw_exec: int, patches: list[tuple[Any, ...]]) -> None:
+    """Write ``kernel_patches``' new parameters into the instantiated graph and its template."""
     drv = bindings.driver()
     exe = drv.CUgraphExec(init_value=raw_exec)
-    for node, p, _keep in patches:
-        for r in (drv.cuGraphExecKernelNodeSetParams(exe, node, p), drv.cuGraphKernelNodeSetParams(node, p)):
+    ok, ctx = _ok(drv.cuCtxGetCurrent())
+    for kind, node, p, _keep in patches:
+        if kind == "kernel":
+            calls = (lambda: drv.cuGraphExecKernelNodeSetParams(exe, node, p),
+                     lambda: drv.cuGraphKernelNodeSetParams(node, p))
+        elif kind == "memcpy":
+            calls = (lambda: drv.cuGraphExecMemcpyNodeSetParams(exe, node, p, ctx[0]),
+                     lambda: drv.cuGraphMemcpyNodeSetParams(node, p))
+        else:
+            calls = (lambda: drv.cuGraphExecMemsetNodeSetParams(exe, node, p, ctx[0]),
+                     lambda: drv.cuGraphMemsetNodeSetParams(node, p))
+        for call in calls:
+            r = call()
             if int(r[0]) != 0:
-                raise RuntimeError(f"re-pointing a kernel node failed: {r[0]}")
+                raise RuntimeError(f"re-pointing a {kind} node failed: {r[0]}")
 
 
 def dot_print(raw_graph: int, path: str, verbose: bool = True) -> None:
