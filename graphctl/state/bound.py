@@ -1,8 +1,8 @@
 """A spec bound to a live metadata object, and the transactional role switch.
 
-``bind(obj)`` checks the object against its spec once and preallocates everything a switch
-needs (one snapshot arena per device, the per-phase copy lists, the alias views of every
-twin), so a switch allocates nothing. ``BoundState.switch(role, phase)`` then runs:
+``bind(obj)`` checks the object against its spec once and preallocates everything a switch needs
+(one snapshot arena per device, the per-phase copy lists, the alias views of every twin), so a
+switch allocates nothing. ``BoundState.switch(role, phase)`` then runs:
 
 1. checks (not poisoned, not nested, no attribute rebound behind graphctl's back);
 2. per device, one fused ``swap_through_``: snapshot every buffer the switch may write, and
@@ -39,6 +39,7 @@ from graphctl.state.validate import bind_aliases, check_bindings, check_source, 
 __all__ = ["bind", "BoundState", "ROLES"]
 
 ROLES = ("draft",)
+_KNOBS = knobs._values  # read on every switch: a dict read (a knob attribute costs ~1 µs through __getattr__)
 
 
 def bind(obj: Any, *, registry: Registry | None = None, dims: Mapping[str, int] | None = None) -> BoundState:
@@ -305,8 +306,7 @@ class BoundState:
         matches the capture status, every attribute is bound as expected, observers hear of it,
         and (knobs) derived buffers are checked and fingerprints taken for :meth:`_leave`."""
         live = capturing(self.device)
-        if (self.device.type == "cuda" or live) and live != (sw.phase == "capture"):
-            # (a CPU state outside the recorder may rehearse any phase)
+        if (self.device.type == "cuda" or live) and live != (sw.phase == "capture"):  # CPU: may rehearse any
             raise SwitchError("phase does not match the capture status", expected="capture" if live
                               else "eager or replay", found=sw.phase,
                               fix="use phase='auto', or 'capture' exactly when a capture is running")
@@ -314,9 +314,9 @@ class BoundState:
         for observe in self._observers:
             observe(sw.role, sw.phase, "enter")
         if sw.phase != "capture":
-            if knobs.check_stale:
+            if _KNOBS["check_stale"]:
                 self.check()
-            if knobs.verify_restore:
+            if _KNOBS["verify_restore"]:
                 return self._fingerprints(sw.phase)
         return None
 
