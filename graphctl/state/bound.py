@@ -33,6 +33,7 @@ from graphctl.state.phase import capturing, resolve_phase
 from graphctl.state.plan import PHASES, Plan, compile_spec
 from graphctl.state.registry import Registry, default_registry
 from graphctl.state.spec import CopyInPlace
+from graphctl.state.traced import TracedSwitch, traced_write
 from graphctl.state.transaction import FaultHook, Step, Switch
 from graphctl.state.validate import bind_aliases, check_bindings, check_source, expected_bindings, validate
 
@@ -93,6 +94,7 @@ class BoundState:
         self._observers: list[Callable[[str, str, str], None]] = []
         self._scratch: dict[str, torch.Tensor] = {}
         self._step_cache: dict[str, tuple[Step, ...]] = {}
+        self._traced: TracedSwitch | None = None  # the switch a compiled function is in (state/traced.py)
         self._tensors: dict[str, torch.Tensor] = {}
         self._objects: dict[str, Any] = {}
         self._dim_source: dict[str, str] = {}
@@ -153,13 +155,11 @@ class BoundState:
         return out
 
     def mutable_names(self) -> tuple[str, ...]:
-        """Buffers declared ``mutable`` and the derived buffers computed from them: what a
-        warmup or capture run may accumulate into."""
+        """``mutable`` buffers and what is derived from them: what warmups may accumulate into."""
         mutable = [n for n in self.plan.buffers if n in self.plan.mutable]
         return tuple(mutable) + self.plan.closure(mutable)
 
-    def restorable_names(self) -> tuple[str, ...]:
-        """Every buffer except ``Stable`` scratch: what ``pad`` and a forward may change."""
+    def restorable_names(self) -> tuple[str, ...]:  # every buffer but Stable scratch: what pad and a forward change
         return tuple(n for n, d in self.plan.buffers.items() if not d.stable)
 
     def snapshot_names(self, phase: str) -> tuple[str, ...]:
@@ -298,6 +298,8 @@ class BoundState:
         if role not in ROLES:
             raise SwitchError("unknown role", expected=" / ".join(ROLES), found=role,
                               fix="the target role is the bound state itself; switch('draft', ...) enters the draft")
+        if torch.compiler.is_compiling():  # torch.compile traces the plan as plain tensor code
+            return TracedSwitch(self, role, "eager" if phase == "auto" else phase)  # type: ignore[return-value]
         phase = self._phase(resolve_phase(phase, self.device))
         return Switch(self, role, phase, self.plan.phases[phase].resolve)
 
@@ -433,17 +435,15 @@ class BoundState:
         All or nothing: everything is checked before a byte is written; a recompute that
         raises (or an interrupt) rolls the written buffers back. The value never brings
         autograd history into the static buffer."""
-        writes.write(self, name, value)
+        (traced_write if torch.compiler.is_compiling() else writes.write)(self, name, value)
 
     def pad(self, counts: Mapping[str, int], ends: Mapping[str, int] | None = None) -> None:
-        """Apply every buffer's padding policy to ``[n:end]`` along its axis, for
-        ``counts = {"seq": n_seqs, ...}`` and ``end = ends[axis]`` (default: the extent), then
-        recompute the dependents of what was padded. All or nothing, like :meth:`write`."""
+        """Each buffer's padding policy on ``[counts[axis]:ends[axis] or extent]`` along its axis,
+        then the dependents of what was padded recomputed. All or nothing, like :meth:`write`."""
         writes.pad(self, counts, ends)
 
     def check(self) -> None:
-        """Debug: recompute every derived buffer into scratch and raise ``StaleBufferError``
-        on the first one that differs from the live buffer. Host sync; not for captures."""
+        """Debug: ``StaleBufferError`` on the first derived buffer that differs from its recompute."""
         writes.check(self)
 
     def _fingerprints(self, phase: str) -> list[list[int]]:

@@ -1,0 +1,99 @@
+"""The switch and ``write`` as ``torch.compile`` traces them (``fullgraph=True``).
+
+Under ``torch.compiler.is_compiling()`` a :class:`~graphctl.state.bound.BoundState` hands out
+:class:`TracedSwitch` instead of the transactional ``Switch``, and ``write`` goes through
+:func:`traced_write`. Dynamo cannot trace what makes the eager switch transactional (a lock,
+held signal handlers, the entering frame, the fused byte arena viewed as several dtypes), and
+inside one compiled graph it needs none of it: the graph runs whole or raises, and attribute
+rebindings are side effects Dynamo applies only after the graph ran. So the traced switch is
+the same plan written as plain tensor code Dynamo and AOTAutograd understand:
+
+- enter: clone every snapshotted buffer (functional copies, not the arena), copy the
+  copy-in-place sources in, rebind the swapped attributes (and their declared views) to their
+  twins, recompute the derived buffers in dependency order;
+- ``write(name, value)``: copy into the rows given, pad the tail by the buffer's policy,
+  recompute every dependent, transitively, where the attribute is bound now;
+- exit: copy every snapshot back, rebind the bind-time originals.
+
+What is not traced: the checks that raise (a write to an undeclared, derived or non-mutable
+buffer is refused at trace time, as eagerly), observers and the debug knobs (``check_stale``,
+``verify_restore``). Compile after ``bind``; a state used by a compiled function must not be
+rebound behind graphctl's back (Dynamo guards on the attributes it read).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphctl.errors import SwitchError
+from graphctl.state import paths
+
+__all__ = ["TracedSwitch", "traced_write"]
+
+
+def _value(st: Any, name: str) -> Any:
+    return st._tensors[name] if name in st._tensors else st._objects[name]
+
+
+def _recompute(st: Any, name: str) -> None:
+    rc = st.plan.buffers[name].derive
+    rc.fn(paths.get(st.obj, name), *(paths.get(st.obj, i) for i in rc.inputs))
+
+
+class TracedSwitch:
+    """A switch Dynamo inlines: see the module docstring."""
+
+    def __init__(self, st: Any, role: str, phase: str) -> None:
+        self.st, self.role, self.pp = st, role, st.plan.phases[phase]
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> TracedSwitch:
+        st, pp = self.st, self.pp
+        if st._traced is not None:
+            raise SwitchError("nested switch in a compiled function", expected="one switch at a time",
+                              found=f"'{self.role}' inside '{st._traced.role}'", fix="exit the first switch first")
+        self.saved = [(st._tensors[n], st._tensors[n].clone()) for n in pp.snapshot]
+        st._traced = self
+        for name, act in pp.copies:
+            src = act.source(st.obj) if callable(act.source) else paths.get(st.obj, act.source)
+            st._tensors[name].copy_(src)
+        for name, twin in pp.swaps:
+            paths.put(st.obj, name, _value(st, twin))
+            for alias, _, tv in st._aliases.get(name, ()):
+                paths.put(st.obj, alias, tv)
+        for name in pp.recompute:
+            _recompute(st, name)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        st = self.st
+        for live, saved in self.saved:
+            live.copy_(saved)
+        for name, _ in self.pp.swaps:
+            for alias, ov, _ in st._aliases.get(name, ()):
+                paths.put(st.obj, alias, ov)
+            paths.put(st.obj, name, _value(st, name))
+        st._traced = None
+
+
+def traced_write(st: Any, name: str, value: torch.Tensor) -> None:
+    """``state.write`` as traced code (see the module docstring)."""
+    d = st.plan.buffers.get(name)
+    sw = st._traced
+    if d is None or d.derive is not None or (sw is not None and name not in st.plan.mutable):
+        raise SwitchError("write() refused in a compiled function", buffer=name,
+                          expected="a declared, non-derived buffer (mutable inside a switch)",
+                          found="not declared" if d is None else "derived" if d.derive is not None else "not mutable",
+                          fix="write a declared input buffer; declare mutable=True to write it inside a switch")
+    target = paths.get(st.obj, name)
+    n = value.shape[d.axis_dim] if d.axis is not None else target.shape[0]
+    target.narrow(d.axis_dim if d.axis is not None else 0, 0, n).copy_(value)
+    if d.axis is not None and n < target.shape[d.axis_dim]:
+        d.pad.apply(target.narrow(d.axis_dim, n, target.shape[d.axis_dim] - n),
+                    target.narrow(d.axis_dim, n - 1, 1) if n else None, d.axis_dim)
+    resolve = sw.pp.resolve if sw is not None else {}
+    held = resolve.get(name, name)
+    shared = [e for e in st._tensors if resolve.get(e, e) == held] or [name]
+    for dep in st.plan.closure(shared):
+        _recompute(st, dep)
