@@ -112,10 +112,11 @@ class InputSlot:
         views = self._views.get((n, bucket))
         if views is None:
             views = self._views[n, bucket] = self._make_views(n, bucket)
-        with torch.no_grad():  # a static buffer never records autograd history (nor keeps inputs alive)
-            views[0].copy_(live)
-            if views[1] is not None:
-                self.spec.pad.apply(views[1], views[2], self.spec.dim)
+        # a static buffer never records autograd history (nor keeps inputs alive): a detached source
+        # (a view, ~0.3 µs, only when it needs one) instead of a no_grad section (~1.5 µs a call)
+        views[0].copy_(live.detach() if live.requires_grad else live)
+        if views[1] is not None:  # constants and the buffer's own rows: no history either
+            self.spec.pad.apply(views[1], views[2], self.spec.dim)
 
     def _make_views(self, n: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         d, per = self.spec.dim, self.spec.per_item
