@@ -65,6 +65,12 @@ def _repoint_engine(max_seqs: int, with_state: bool = True):
     return eng, f
 
 
+def _verify_bad_writes():
+    f = graphed(lambda x: x * 2, buckets=[2], inputs=["x"], backend="emulated", progress=False)
+    f.capture_all(torch.ones(2, 3))
+    f.verify(writes="strict")
+
+
 def _repoint_other_layout():
     _, f = _repoint_engine(4)
     other, _ = _repoint_engine(2)
@@ -1014,6 +1020,8 @@ CASES: list[Case] = [
          _repoint_without_state),
     Case("check-paths-option", DeclarationError, "declaration", "check_paths= given a non-bool",
          lambda: graphed(lambda x: x, check_paths="yes")),
+    Case("verify-writes-option", DeclarationError, "declaration", "verify(writes=...) given an unknown mode",
+         _verify_bad_writes),
     Case("loop-mode", DeclarationError, "capture", "an unknown draft-loop mode", _unknown_loop_mode),
     Case("loop-needs-cuda", CaptureError, "capture", "mode='device_loop' on the emulated backend", _loop_on_cpu),
     Case("loop-recorded", CaptureError, "capture", "a device loop run under the emulated recorder", _loop_recorded),

@@ -64,6 +64,11 @@ def test_bare_graphed_static_cache_decode_equals_eager_step_after_step():
     assert "cache.layers[0].cumulative_length" in paths and "cache.layers[1].keys" in paths, paths
     rep = step.report()  # issue 21, no false alarms: nothing but the side effects is reported for this step
     assert rep.host_changes == () and rep.padding_hazards == () and rep.unreached == () and not rep.bypassed, rep
+    # every write of the replay (the cache's K/V and lengths) equals eager's, from the same restored cache; a
+    # whole-batch cache cannot run eagerly on fewer rows, so n = the bucket only
+    checked = step.verify(writes="error", inside=False)
+    assert checked and all(r.ok and r.n == r.bucket for r in checked), [str(r) for r in checked]
+    assert _same(cache, ref), "verify moved the caller's cache"
     for _ in range(4):
         tok = torch.randint(0, VOCAB, (B, 1), generator=gen)
         with torch.no_grad(), warnings.catch_warnings():

@@ -23,6 +23,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
+from graphctl.errors import DeclarationError
+
 __all__ = ["Mismatch", "Verifiable", "VerifyResult", "verify"]
 
 
@@ -115,12 +117,15 @@ def _first_difference(want: torch.Tensor, got: torch.Tensor, rtol: float, atol: 
 
 
 def verify(runner: Verifiable, *, gen: torch.Generator | None = None, rtol: float = 1e-5, atol: float = 1e-5,
-           writes: str = "warn") -> tuple[VerifyResult, ...]:
+           writes: str = "warn", inside: bool = True) -> tuple[VerifyResult, ...]:
     """See the module docstring. ``writes``: ``"warn"`` (a differing write is reported in
     ``VerifyResult.write``, ``ok`` unaffected: graphctl cannot tell a reserved scratch slot from
-    live memory), ``"error"`` (it fails the result), ``"off"`` (outputs only)."""
+    live memory), ``"error"`` (it fails the result), ``"off"`` (outputs only). ``inside=False``:
+    only ``n`` equal to each bucket, for a forward that cannot run eagerly on fewer items than
+    its state holds (a Hugging Face decode step over a whole-batch cache)."""
     if writes not in ("warn", "error", "off"):
-        raise ValueError(f"verify(writes=...) takes 'warn', 'error' or 'off', not {writes!r}")
+        raise DeclarationError("unknown verify(writes=...)", expected="'warn', 'error' or 'off'", found=repr(writes),
+                               fix="writes='error' fails a result whose writes differ; 'warn' reports them")
     arguments = runner.example_arguments()  # raises CaptureError when nothing is captured
     gen = gen or torch.Generator(device="cpu").manual_seed(0)
     sizes = runner.captured
@@ -128,7 +133,7 @@ def verify(runner: Verifiable, *, gen: torch.Generator | None = None, rtol: floa
     for i, b in enumerate(sizes):
         lo = sizes[i - 1] + 1 if i else 1
         # n == b, and an n strictly inside the bucket (padding live) wherever one exists
-        ns = [b] if lo >= b else [int(torch.randint(lo, b, (1,), generator=gen, device="cpu")), b]
+        ns = [b] if lo >= b or not inside else [int(torch.randint(lo, b, (1,), generator=gen, device="cpu")), b]
         for n in ns:
             lives = {si.name: _like(arguments[si.name], n * si.per_item, si.dim, gen) for si in runner.inputs}
             args, kwargs = runner.assemble({**arguments, **lives})
