@@ -8,9 +8,9 @@ import graphctl
 from support.mini import MiniMetadata, make_registry
 
 
-def _setup(seed: int):
+def _setup(seed: int, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
-    m = MiniMetadata(g)
+    m = MiniMetadata(g, device=device)
     return m, graphctl.bind(m, registry=make_registry())
 
 
@@ -28,17 +28,17 @@ def _state(m, st) -> dict[str, torch.Tensor]:
     return {n: st.tensor(n).clone() for n in st.restorable_names()}
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_a_switching_forward_compiles_fullgraph_and_equals_eager_with_the_state_restored(backend, gen):
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_a_switching_forward_compiles_fullgraph_and_equals_eager_with_the_state_restored(compiler, device, gen):
     # Issue 19: torch.compile(fullgraph=True) of a function entering state.switch("draft") failed ("Unsupported":
     # the switch's lock, signal hold and frame record); now the plan is traced as plain tensor code.
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-    m, st = _setup(seed)
-    ref_m, ref_st = _setup(seed)
-    x = torch.randn(3, generator=gen)
+    m, st = _setup(seed, device)
+    ref_m, ref_st = _setup(seed, device)
+    x = torch.randn(3, generator=gen).to(device)
     want = _forward(ref_m, ref_st)(x)
     before, attrs = _state(m, st), {n: getattr(m, n) for n in ("block_offsets", "kv_cache_manager")}
-    compiled = torch.compile(_forward(m, st), fullgraph=True, backend=backend)
+    compiled = torch.compile(_forward(m, st), fullgraph=True, backend=compiler)
     for _ in range(2):  # the second call runs the compiled code alone
         got = compiled(x)
         torch.testing.assert_close(got, want)
@@ -67,16 +67,16 @@ def test_a_compiled_write_to_a_buffer_not_mutable_is_refused_at_trace_time():
         assert m.block_offsets is st.tensor("draft_block_offsets")
 
 
-def test_the_reference_engine_step_compiles_whole(gen):
+def test_the_reference_engine_step_compiles_whole(device, gen):
     # Issue 19: the engine's decode step (target, acceptance, the draft switch, layout writes, k draft steps) as one
     # fullgraph compile equals the eager step, and leaves the state as the eager step leaves it.
     from graphctl.models.mtp import EngineConfig, MTPEngine
 
     seed = int(torch.randint(0, 1000, (1,), generator=gen))
-    engines = [MTPEngine(EngineConfig(max_seqs=8, seed=seed), device="cpu") for _ in range(2)]
+    engines = [MTPEngine(EngineConfig(max_seqs=8, seed=seed), device=device) for _ in range(2)]
     k1, n = engines[0].k + 1, 5
     kv = torch.randint(k1 + 1, 60, (n,), generator=gen, dtype=torch.int32)
-    ids = torch.randint(0, engines[0].cfg.vocab, (n * k1,), generator=gen)
+    ids = torch.randint(0, engines[0].cfg.vocab, (n * k1,), generator=gen).to(device)
     for eng in engines:
         eng.meta.prepare(eng.state, torch.full((n,), k1, dtype=torch.int32), kv)
     ref, eng = engines
