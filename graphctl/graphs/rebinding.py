@@ -38,18 +38,18 @@ class PathCheck:
     steps: tuple[tuple[bool, Any], ...]  # (is_attribute, name or key), in order
     ptr: int
     shape: tuple[int, ...]
-    shared: int = 0  # leading steps shared with the previous check of the same root (resolved once a call)
+    shared: int = 0  # leading steps shared with the previous check of the same root (compiled: resolved once)
     tensor: Any = None  # a weak reference to the capture's tensor (a strong one would hide a freed temporary
     # from the audit, which names it dangling)
 
 
 class Paths(list):
     """The checks in walk order, with ``fast``: the whole walk compiled to one straight-line
-    function (each shared prefix resolved once, the leaf compared by identity (a weak reference)
-    and address) that
-    says whether every path still leads to its tensor. A model's cache has dozens of paths
-    (``cache.layers[i].keys``): one Python loop step, slice and shape compare per path cost
-    ~0.5 µs each on a CPU core, the compiled form a fifth of that."""
+    function that says whether every path still leads to its tensor (each shared prefix resolved
+    once, each leaf compared by identity through a weak reference, and by address). A model's
+    cache has dozens of paths (``cache.layers[i].keys``): walked in a Python loop they cost
+    ~0.5 µs each on a CPU core, compiled a fifth of that. :func:`first_moved` walks plainly only
+    when the compiled check fails, to name the path."""
 
     fast: Callable[[tuple, dict], bool]
 
@@ -155,7 +155,7 @@ def collect(fn: Callable[..., Any], arguments: dict[str, Any], get_arg: Callable
         visit(name, root, (), value, 0)
     visit = None  # noqa: F841 - break the function <-> cell cycle: GC is off during capture_all
     # the shortest _MAX_PATHS, kept in walk order: a path shares its prefix with the one before it
-    # (cache.layers[3].keys, cache.layers[3].values), which first_moved resolves once
+    # (cache.layers[3].keys, cache.layers[3].values), which the compiled check resolves once
     keep = {id(c) for c in sorted(found.values(), key=lambda c: len(c.steps))[:_MAX_PATHS]}
     out = Paths()
     for c in found.values():
@@ -181,19 +181,12 @@ def first_moved(checks: list[PathCheck], args: tuple, kwargs: dict) -> ReplayErr
     """The first path that no longer leads to the captured tensor, as a ``ReplayError``."""
     if isinstance(checks, Paths) and checks.fast(args, kwargs):
         return None  # every path leads to the very tensor object of the capture, at its address
-    root, along = None, []  # along[d]: the value d steps down the previous path (prefixes resolved once)
+    # the fast check failed (or was not compiled): walk each path plainly to name the first one that moved
     for c in checks:
-        if c.root is not root:
-            root, keep = c.root, 0
-            along = [root(args, kwargs)]
-        else:
-            keep = c.shared
-            del along[keep + 1:]
-        v = along[keep]
+        v = c.root(args, kwargs)
         try:
-            for is_attr, k in c.steps[keep:]:
+            for is_attr, k in c.steps:
                 v = getattr(v, k) if is_attr else v[k]
-                along.append(v)
         except (AttributeError, IndexError, KeyError, TypeError):
             v = None
         if isinstance(v, torch.Tensor) and v.data_ptr() == c.ptr and v.shape == c.shape:

@@ -11,10 +11,11 @@ addresses in place:
   strides and device (:class:`~graphctl.errors.RepointError` otherwise, nothing patched);
 - each graph rewrites every reference into an old span to the same offset in the new one:
   emulated graphs swap the recorded tensors for views of the new storage; CUDA graphs patch
-  the kernel-node arguments of the instantiated graph (``cuGraphExecKernelNodeSetParams``) and of
-  its template. An address the CUDA backend cannot rewrite safely (inside a library kernel's
-  opaque ``extra`` buffer, a memcpy or memset node, a conditional body) refuses the whole
-  re-point before anything changed;
+  the kernel-node arguments and the memcpy/memset addresses of the instantiated graph
+  (``cuGraphExec*NodeSetParams``) and of its template. An address the CUDA backend cannot
+  rewrite safely (inside a library kernel's opaque ``extra`` buffer, a conditional body or
+  child graph, a copy straddling a moved buffer) refuses the whole re-point before anything
+  changed;
 - the runner then takes the new state and the new addresses as its manifest.
 
 What stays the caller's job: the forward must read the new state too (an engine holding

@@ -15,9 +15,11 @@ the same plan written as plain tensor code Dynamo and AOTAutograd understand:
   recompute every dependent, transitively, where the attribute is bound now;
 - exit: copy every snapshot back, rebind the bind-time originals.
 
-What is not traced: the checks that raise (a write to an undeclared, derived or non-mutable
-buffer is refused at trace time, as eagerly), observers and the debug knobs (``check_stale``,
-``verify_restore``). Compile after ``bind``; a state used by a compiled function must not be
+A write the eager path refuses (an undeclared, derived or non-mutable buffer) and a nested
+switch are refused while tracing too, but Dynamo cannot carry a raised exception out of a
+``fullgraph=True`` trace: the compile stops with ``torch._dynamo.exc.Unsupported`` naming the
+offending line, not with graphctl's typed error. Not traced: observers and the debug knobs
+(``check_stale``, ``verify_restore``). Compile after ``bind``; a state used by a compiled function must not be
 rebound behind graphctl's back (Dynamo guards on the attributes it read).
 """
 from __future__ import annotations
@@ -32,21 +34,13 @@ from graphctl.state import paths
 __all__ = ["TracedSwitch", "traced_write"]
 
 
-def _value(st: Any, name: str) -> Any:
-    return st._tensors[name] if name in st._tensors else st._objects[name]
-
-
-def _recompute(st: Any, name: str) -> None:
-    rc = st.plan.buffers[name].derive
-    rc.fn(paths.get(st.obj, name), *(paths.get(st.obj, i) for i in rc.inputs))
-
-
 class TracedSwitch:
     """A switch Dynamo inlines: see the module docstring."""
 
     def __init__(self, st: Any, role: str, phase: str) -> None:
         self.st, self.role, self.pp = st, role, st.plan.phases[phase]
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.rebinds: list[Any] = []
 
     def __enter__(self) -> TracedSwitch:
         st, pp = self.st, self.pp
@@ -56,24 +50,20 @@ class TracedSwitch:
         self.saved = [(st._tensors[n], st._tensors[n].clone()) for n in pp.snapshot]
         st._traced = self
         for name, act in pp.copies:
-            src = act.source(st.obj) if callable(act.source) else paths.get(st.obj, act.source)
-            st._tensors[name].copy_(src)
-        for name, twin in pp.swaps:
-            paths.put(st.obj, name, _value(st, twin))
-            for alias, _, tv in st._aliases.get(name, ()):
-                paths.put(st.obj, alias, tv)
+            st._tensors[name].copy_(st._source(act))
+        self.rebinds = [st._rebind_step(name, twin) for name, twin in pp.swaps]  # the eager switch's own steps
+        for step in self.rebinds:
+            step.apply()
         for name in pp.recompute:
-            _recompute(st, name)
+            st._recompute(name)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         st = self.st
         for live, saved in self.saved:
             live.copy_(saved)
-        for name, _ in self.pp.swaps:
-            for alias, ov, _ in st._aliases.get(name, ()):
-                paths.put(st.obj, alias, ov)
-            paths.put(st.obj, name, _value(st, name))
+        for step in reversed(self.rebinds):
+            step.undo()
         st._traced = None
 
 
@@ -96,4 +86,4 @@ def traced_write(st: Any, name: str, value: torch.Tensor) -> None:
     held = resolve.get(name, name)
     shared = [e for e in st._tensors if resolve.get(e, e) == held] or [name]
     for dep in st.plan.closure(shared):
-        _recompute(st, dep)
+        st._recompute(dep)

@@ -216,9 +216,8 @@ def check_bindings(st: Any, entering: str | None = None) -> None:
     # On entry (``entering`` set) the switch owns the state but has not swapped anything yet.
     obj, sw = st.obj, st._active
     phase = sw.phase if sw is not None and entering is None else None
-    for name, want in st._expected(phase):  # a plain name inline: paths.get is two calls more a name
-        if (getattr(obj, name, None) if "." not in name and "[" not in name else paths.get(obj, name, None)) \
-                is not want:
+    for name, want in st._expected(phase):  # a plain name through getattr: paths.get is one call more a name
+        if (paths.get(obj, name, None) if paths.is_path(name) else getattr(obj, name, None)) is not want:
             break
     else:
         return

@@ -106,9 +106,10 @@ class CudaGraph:
         self._graph.replay()
 
     def repoint(self, moves: list) -> Callable[[], int]:
-        """Check now that every address inside a moved span (``graphs/repoint.py``) is a kernel
-        argument it can rewrite (``RepointError`` otherwise, nothing changed); the returned call
-        rewrites them in the instantiated graph and its template and says how many nodes."""
+        """Check now that every address inside a moved span (``graphs/repoint.py``) sits where it
+        can be rewritten: a kernel argument, a memcpy or memset address (``RepointError``
+        otherwise, nothing changed); the returned call rewrites them in the instantiated graph
+        and its template and says how many nodes."""
         if bindings.driver() is None or not self.order:
             raise RepointError("this CUDA graph cannot be re-pointed", buffer=moves[0].name if moves else None,
                                expected="cuda-bindings and the graph's node handles", found="neither is available",
@@ -116,9 +117,11 @@ class CudaGraph:
         patches, why = kernel_patches(self.order, lambda a: lookup(moves, a))
         if why:
             raise RepointError("an old address sits where it cannot be rewritten safely", buffer=None,
-                               expected="addresses only in kernel arguments of the top-level graph", found=why,
-                               fix="reset() and capture again (a memcpy node, a library kernel's opaque arguments "
-                                   "or a conditional body holds it)")
+                               expected="addresses only in kernel arguments and whole memcpy/memset ranges of the "
+                                        "top-level graph", found=why,
+                               fix="reset() and capture again (a library kernel's opaque arguments, a conditional "
+                                   "body or a copy straddling the buffer holds it)")
+
         def apply() -> int:
             apply_patches(self._graph.raw_cuda_graph_exec(), patches)
             return len(patches)

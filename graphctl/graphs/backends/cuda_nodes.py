@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -57,13 +57,16 @@ def _int(v) -> int:
         return int(v.getPtr())
 
 
-def _words(data: bytes, where: str, base_off: int = 0) -> list[Ref]:
-    out = []
+def _candidates(data: bytes) -> Iterator[tuple[int, int]]:
+    """``(offset, value)`` of every 8-byte word of ``data`` that may be a device address."""
     for off in range(0, len(data) - _WORD + 1, _WORD):
         v = int.from_bytes(data[off:off + _WORD], "little")
         if v >= 1 << 16:  # small integers are sizes and flags, never device addresses
-            out.append(Ref(v, "touch", f"{where}+{base_off + off}"))
-    return out
+            yield off, v
+
+
+def _words(data: bytes, where: str, base_off: int = 0) -> list[Ref]:
+    return [Ref(v, "touch", f"{where}+{base_off + off}") for off, v in _candidates(data)]
 
 
 def _kernel(drv, node, index: int) -> Node:
@@ -203,9 +206,8 @@ def read_cuda_nodes(order: Sequence[int]) -> list[Node]:
 def _patched(data: bytes, lookup: Callable[[int], int | None]) -> bytes | None:
     """``data`` with every 8-byte word that is an old address rewritten, or None if none is."""
     out, hit = bytearray(data), False
-    for off in range(0, len(data) - _WORD + 1, _WORD):
-        v = int.from_bytes(data[off:off + _WORD], "little")
-        new = lookup(v) if v >= 1 << 16 else None
+    for off, v in _candidates(data):
+        new = lookup(v)
         if new is not None:
             out[off:off + _WORD] = new.to_bytes(_WORD, "little")
             hit = True
@@ -278,18 +280,16 @@ def kernel_patches(order: Sequence[int], lookup: Callable[[int], int | None]) ->
             if got is not None:
                 patches.append((kind, node, got[0], None))
             continue
-        if kind != "kernel":
-            n = Node(i, kind, kind)
-            body: list[Node] = []
-            if kind in ("conditional", "graph"):
-                graphs, note = _bodies(drv, node, h, kind)
-                if note:
-                    return [], f"node {i} ({kind}): {note}"
-                body = [x for g in graphs for x in read_cuda_nodes(graph_nodes(g) or [])]
-            for x in (n, *body):
+        if kind in ("conditional", "graph"):  # bodies are not patched: any old address in one refuses
+            graphs, note = _bodies(drv, node, h, kind)
+            if note:
+                return [], f"node {i} ({kind}): {note}"
+            for x in (x for g in graphs for x in read_cuda_nodes(graph_nodes(g) or [])):
                 hit = next((r for r in x.refs if lookup(r.address) is not None), None)
                 if hit is not None:
-                    return [], f"node {i} ({kind}{', in its body' if x is not n else ''}) holds {hit.address:#x}"
+                    return [], f"node {i} ({kind}), in its body, holds {hit.address:#x}"
+            continue
+        if kind != "kernel":  # events, waits, allocations: no argument addresses
             continue
         ok, out = _ok(drv.cuGraphKernelNodeGetParams(node))
         if not ok:

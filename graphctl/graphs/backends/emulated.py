@@ -150,9 +150,9 @@ class EmulatedGraph:
             nonlocal count
             if isinstance(v, torch.Tensor) and v.device.type != "meta" and v.numel():
                 for m in moves:
-                    if m.start <= v.data_ptr() < m.end:
+                    if (to := m.map(v.data_ptr())) is not None:
                         count += 1
-                        at = (v.data_ptr() - m.start + m.new_start - m.new.untyped_storage().data_ptr())
+                        at = to - m.new.untyped_storage().data_ptr()
                         return torch.empty(0, dtype=v.dtype, device=v.device).set_(
                             m.new.untyped_storage(), at // v.element_size(), v.shape, v.stride())
                 return v
