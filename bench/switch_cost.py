@@ -3,13 +3,17 @@
   (a) hand-written hooks, TensorRT-LLM style: clone each buffer, copy draft values in, clamp,
       rebuild req_idx_per_token with torch ops, copy every clone back;
   (b) torch._foreach_copy_ into a preallocated snapshot (one call per dtype group and direction);
-  (c) the graphctl switch, eager;
+  (c) the graphctl switch, eager (one native SwitchTable call per direction), next to the same
+      switch through its Python steps (GRAPHCTL_NATIVE_SWITCH=0) and the floor: the op calls any
+      switch must issue (snapshot, token map, restore) with no bookkeeping at all;
   (d) the graphctl switch recorded inside a CUDA graph (replay time), next to (b) recorded in a graph.
 
 Plus large-buffer bandwidth: swap_through_ against a plain copy_ of the bytes it must move.
 Sizes from shared/reference/trtllm.md §4. Run on the GPU machine:
 
     python bench/switch_cost.py [--reps 200] [--json out.json]
+
+Eager variants are timed interleaved, in 5 rounds, with one synchronize a call.
 """
 from __future__ import annotations
 
@@ -106,17 +110,22 @@ class ForeachBaseline:
             torch._foreach_copy_(statics, snaps)
 
 
-def time_host(fn, reps, warmup=20):
-    for _ in range(warmup):
-        fn()
+def time_interleaved(fns, reps, rounds=5):
+    """Median µs per variant, the variants run in turn in ``rounds`` blocks of reps // rounds calls:
+    a drift of the host's speed during the run hits every variant alike."""
+    samples = {k: [] for k in fns}
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(samples)
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            for _ in range(max(1, reps // rounds)):
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                samples[k].append((time.perf_counter() - t0) * 1e6)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def capture(fn):
@@ -191,10 +200,30 @@ def run_config(label, S, B, T, D, reps):
     dev_names = [n for n in names if not BUFFERS[n][2]]
     fe_dev = ForeachBaseline(m, dev_names)
 
+    def gc_python_steps():  # the same switch through the Python steps (the native table's reference)
+        with graphctl.knobs.scope(native_switch=False):
+            gc_switch()
+
+    groups = st._groups["eager"]
+    srcs = [[getattr(m, "draft_src_" + n) if n in BUFFERS else t for n, t in zip(g.names, g.statics)]
+            for g in groups]
+
+    def floor():  # the device and host work every switch must issue, as bare op calls, no bookkeeping
+        for g, src in zip(groups, srcs):
+            torch.ops.graphctl.swap_through_(list(g.statics), list(g.arenas), src)
+        token_map(m.req_idx_per_token, m.seq_lens)
+        for g in groups:
+            torch.ops.graphctl.copy_(list(g.statics), list(g.arenas))
+
     row = {"config": label, "snapshot_bytes": nbytes}
-    row["a_handwritten_us"] = time_host(lambda: hand_written(m, names), reps)
-    row["b_foreach_us"] = time_host(fe, reps)
-    row["c_graphctl_eager_us"] = time_host(gc_switch, reps)
+    med = time_interleaved({"a": lambda: hand_written(m, names), "b": fe, "c": gc_switch, "c_py": gc_python_steps,
+                            "floor": floor}, reps)
+    row["a_handwritten_us"], row["b_foreach_us"], row["c_graphctl_eager_us"] = med["a"], med["b"], med["c"]
+    row["c_python_steps_us"], row["floor_ops_us"] = med["c_py"], med["floor"]
+    row["a_over_floor"] = med["a"] / med["floor"]
+    torch.cuda.synchronize()
+    for n, v in before.items():  # the floor's restore put every buffer back
+        assert torch.equal(getattr(m, n), v), f"{label}: {n} not restored by the floor variant"
     for key, fn in (("a", lambda: hand_written(m, names)), ("b", fe), ("c", gc_switch)):
         k, c, a = count_launches(fn)
         row[f"{key}_kernels"], row[f"{key}_memcpys"], row[f"{key}_allocs"] = k, c, a
@@ -257,6 +286,7 @@ def main():
     con.print(f"{hw['gpu']}, torch {hw['torch']} (CUDA {hw['cuda']}), graphctl._C CUDA: {hw['extension']}")
     t = Table(title="one switch (apply + restore), median us")
     cols = ["config", "snapshot_bytes", "a_handwritten_us", "b_foreach_us", "c_graphctl_eager_us", "a_over_c",
+            "c_python_steps_us", "floor_ops_us", "a_over_floor",
             "b_foreach_graph_us", "d_graphctl_graph_us", "bgraph_over_d", "a_kernels", "a_memcpys", "a_allocs",
             "b_kernels", "b_memcpys", "b_allocs", "c_kernels", "c_memcpys", "c_allocs"]
     for c in cols:

@@ -58,14 +58,23 @@ TORCH_LIBRARY_IMPL(graphctl, Meta, m) {
   m.impl("loop_condition_", &graphctl::loop_condition_meta);
 }
 
+namespace graphctl {
+int add_switch_table(PyObject* module);  // switch_table.cpp
+}  // namespace graphctl
+
 // Importing graphctl._C registers the ops above (static initializers); the module itself only
-// reports whether CUDA kernels were compiled in. Plain C API: no pybind11 headers to compile.
+// reports whether CUDA kernels were compiled in, and holds SwitchTable (switch_table.cpp, the one
+// file that includes pybind11).
 static struct PyModuleDef graphctl_module = {PyModuleDef_HEAD_INIT, "_C", "graphctl ops (see graphctl.ops)", -1,
                                              nullptr};
 
 PyMODINIT_FUNC PyInit__C(void) {
   PyObject* m = PyModule_Create(&graphctl_module);
   if (m == nullptr) return nullptr;
+  if (graphctl::add_switch_table(m) != 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
 #ifdef GRAPHCTL_WITH_CUDA
   PyModule_AddObject(m, "with_cuda", Py_NewRef(Py_True));
 #else

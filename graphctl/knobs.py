@@ -67,6 +67,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("no_extension", "GRAPHCTL_NO_EXTENSION", _parse_bool, False, "runtime",
          "Do not load `graphctl._C`; every op runs its pure-PyTorch reference. `graphctl info` "
          "reports the reason."),
+    Knob("native_switch", "GRAPHCTL_NATIVE_SWITCH", _parse_bool, True, "runtime",
+         "Run eager, replay and refresh switches as one `graphctl._C` call per direction (a `SwitchTable` built "
+         "at a phase's first switch). 0: the Python steps, the reference the native switch is tested against."),
     Knob("build_cuda", "GRAPHCTL_BUILD_CUDA", _parse_choice("auto", "0", "1"), "auto", "build",
          "`auto`: build the CUDA kernels when torch has CUDA and a toolkit of its major version is "
          "found (else one line says why, and the CPU kernels are built); `1`: require them (the "

@@ -7,7 +7,9 @@ call, on one device.
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -15,7 +17,8 @@ from graphctl.knobs import knobs
 from graphctl.ops import reference
 from graphctl.ops._load import STATUS, ExtensionStatus
 
-__all__ = ["swap_through_", "copy_", "fingerprint", "token_to_request_", "loop_condition_", "extension_status",
+__all__ = ["swap_through_", "copy_", "fingerprint", "token_to_request_", "loop_condition_", "switch_table", "all_bound",
+           "extension_status",
            "uses_extension", "reference"]
 
 
@@ -95,3 +98,21 @@ def loop_condition_(flag: torch.Tensor, counter: torch.Tensor, limit: int, activ
         torch.ops.graphctl.loop_condition_(flag, counter, int(limit), active, 0)
     else:
         reference.loop_condition_(flag, counter, limit, active)
+
+
+_C = importlib.import_module("graphctl._C") if _LOADED else None
+
+
+def switch_table(obj: Any, groups: list, puts: list, recomputes: list) -> Any:
+    """A ``graphctl._C.SwitchTable`` (see ``graphctl.state.native``), or None without the extension:
+    a switch then runs its Python steps, the reference of the table."""
+    if _C is None or not uses_extension():
+        return None
+    return _C.SwitchTable(obj, groups, puts, recomputes)
+
+
+def all_bound(obj: Any, pairs: tuple[tuple[str, Any], ...]) -> bool:
+    """True when ``getattr(obj, name) is want`` for every ``(name, want)`` (plain attribute names)."""
+    if _C is not None and uses_extension():
+        return bool(_C.all_bound(obj, pairs))
+    return all(getattr(obj, n, None) is w for n, w in pairs)

@@ -8,11 +8,11 @@ switch allocates nothing. ``BoundState.switch(role, phase)`` then runs:
 2. per device, one fused ``swap_through_``: snapshot every buffer the switch may write, and
    write the copy-in-place sources, in one pass;
 3. rebind swapped attributes (and re-point their declared views) to their twins;
-4. recompute the derived buffers whose inputs changed, in dependency order.
+4. recompute the derived buffers whose inputs changed, in dependency order
+   (2-4 as one ``graphctl._C`` call where it can: ``graphctl.state.native``).
 
-Any ``BaseException`` while applying undoes the applied steps in reverse and re-raises the
-original exception. On exit, normal or not, every step is undone in reverse. A failed undo or
-restore poisons the state: every later use raises ``CorruptedStateError``.
+Any ``BaseException`` while applying undoes the applied steps in reverse and re-raises it. On
+exit every step is undone in reverse; a failed undo poisons the state (``CorruptedStateError``).
 """
 from __future__ import annotations
 
@@ -27,15 +27,17 @@ from graphctl import ops
 from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitchError, SwitchError
 from graphctl.knobs import knobs
 from graphctl.state import paths, writes
-from graphctl.state.arena import Group, allocate_arenas, make_groups
+from graphctl.state.arena import allocate_arenas, make_groups
 from graphctl.state.interrupts import deferred
+from graphctl.state.native import native_step
 from graphctl.state.phase import capturing, resolve_phase
 from graphctl.state.plan import PHASES, Plan, compile_spec
 from graphctl.state.registry import Registry, default_registry
 from graphctl.state.spec import CopyInPlace
+from graphctl.state.steps import python_steps
 from graphctl.state.traced import TracedSwitch, traced_write
 from graphctl.state.transaction import FaultHook, Step, Switch
-from graphctl.state.validate import bind_aliases, check_bindings, check_source, expected_bindings, validate
+from graphctl.state.validate import bind_aliases, check_bindings, expected_bindings, validate
 
 __all__ = ["bind", "BoundState", "ROLES"]
 
@@ -87,6 +89,7 @@ class BoundState:
         self._owner: int | None = None  # thread id of that owner
         self._in_user: str | None = None  # the user callable graphctl is running, if any
         self._expect: dict[str | None, tuple[tuple[str, Any], ...]] = {}
+        self._expect_split: dict[str | None, tuple[tuple[tuple[str, Any], ...], ...]] = {}  # (plain, paths)
         self._write_groups: dict[tuple[str | None, str], tuple[tuple[str, ...], list, list]] = {}
         self._poisoned: tuple[str, ...] | None = None
         self._fault_hook: FaultHook | None = None
@@ -132,8 +135,7 @@ class BoundState:
     # ---------------------------------------------------------------------- introspection
 
     @property
-    def poisoned(self) -> tuple[str, ...] | None:
-        """What could not be restored, or None when the state is healthy."""
+    def poisoned(self) -> tuple[str, ...] | None:  # what could not be restored; None when healthy
         return self._poisoned
 
     @property
@@ -154,12 +156,11 @@ class BoundState:
             out[n] = v.data_ptr() if isinstance(v, torch.Tensor) else None
         return out
 
-    def mutable_names(self) -> tuple[str, ...]:
-        """``mutable`` buffers and what is derived from them: what warmups may accumulate into."""
+    def mutable_names(self) -> tuple[str, ...]:  # mutable buffers and their dependents: what warmups accumulate
         mutable = [n for n in self.plan.buffers if n in self.plan.mutable]
         return tuple(mutable) + self.plan.closure(mutable)
 
-    def restorable_names(self) -> tuple[str, ...]:  # every buffer but Stable scratch: what pad and a forward change
+    def restorable_names(self) -> tuple[str, ...]:  # all but Stable scratch: what pad and a forward change
         return tuple(n for n, d in self.plan.buffers.items() if not d.stable)
 
     def snapshot_names(self, phase: str) -> tuple[str, ...]:
@@ -172,8 +173,7 @@ class BoundState:
         """graphctl's snapshot slots, ``"family:name"``: memory a captured switch reads and writes."""
         return {f"{fam}:{n}": t for (fam, n), t in self._arena.items()}
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The tensor bound to entry ``name`` at bind time (twins are entries too)."""
+    def tensor(self, name: str) -> torch.Tensor:  # the tensor bound to entry ``name`` at bind (twins too)
         return self._tensors[name]
 
     # ------------------------------------------------------------------------ use checks
@@ -351,68 +351,20 @@ class BoundState:
 
     def _steps(self, phase: str) -> tuple[Step, ...]:
         # Built once per phase (the first switch in it) and reused: a switch creates no closures.
-        steps = self._step_cache.get(phase)
+        # One native step (state/native.py) where it can; the Python steps when a hook reaches inside.
+        hooked = self._fault_hook is not None or self._user_hook is not None
+        key = "py:" + phase if hooked or not _KNOBS["native_switch"] else phase
+        steps = self._step_cache.get(key)
         if steps is None:
-            pp = self.plan.phases[phase]
-            steps = tuple([self._snapshot_step(g) for g in self._groups[phase]]
-                          + [self._rebind_step(name, twin) for name, twin in pp.swaps]
-                          + [self._recompute_step(n) for n in pp.recompute])
-            self._step_cache[phase] = steps
+            one = native_step(self, phase) if key == phase else None
+            steps = (one,) if one is not None else python_steps(self, phase)
+            self._step_cache[key] = steps
         return steps
 
     def _source(self, act: CopyInPlace) -> Any:
         if callable(act.source):
             return self._call_user("a CopyInPlace source", act.source, self.obj)
         return paths.get(self.obj, act.source)
-
-    def _snapshot_step(self, g: Group) -> Step:
-        statics, arenas = list(g.statics), list(g.arenas)
-        sources = statics.copy() if g.copies else statics
-        validated: dict[int, Any] = {}  # copy index -> the source object last checked
-
-        def use_error(name, what, expected, found, fix):
-            return SwitchError(what, buffer=name, expected=expected, found=found, fix=fix)
-
-        def prepare() -> None:  # look the copy sources up and check them; writes nothing
-            for i, name, act in g.copies:
-                src = self._source(act)
-                if validated.get(i) is not src:  # the same tensor object as last time needs no re-check
-                    check_source(self, name, src, "source", use_error)
-                    validated[i] = src
-                sources[i] = src
-
-        def apply() -> None:
-            ops.swap_through_(statics, arenas, sources, validate=False)  # checked at bind
-
-        def undo() -> None:
-            ops.copy_(statics, arenas, validate=False)
-
-        return Step(f"snapshot[{g.device}]({', '.join(g.names)})", apply, undo, recorded=g.device.type == "cuda",
-                    prepare=prepare if g.copies else None)
-
-    def _rebind_step(self, name: str, twin: str) -> Step:
-        obj = self.obj
-        original = self._tensors.get(name, self._objects.get(name))
-        twin_value = self._tensors.get(twin, self._objects.get(twin))
-        aliases = self._aliases.get(name, ())
-
-        def apply() -> None:
-            paths.put(obj, name, twin_value)
-            for alias, _, tv in aliases:
-                paths.put(obj, alias, tv)
-
-        def undo() -> None:
-            # Always back to the bind-time original: a repeated swap can never save the twin.
-            for alias, ov, _ in aliases:
-                paths.put(obj, alias, ov)
-            paths.put(obj, name, original)
-
-        return Step(f"swap({name})", apply, undo, idempotent=True)
-
-    def _recompute_step(self, name: str) -> Step:
-        # its undo is the snapshot's: the derived buffer is snapshotted with everything else
-        return Step(f"recompute({name})", lambda: self._recompute(name), lambda: None,
-                    recorded=self.device.type == "cuda", idempotent=True)
 
     def _recompute(self, name: str, out: torch.Tensor | None = None) -> None:
         rc = self.plan.buffers[name].derive

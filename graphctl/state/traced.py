@@ -30,6 +30,7 @@ import torch
 
 from graphctl.errors import SwitchError
 from graphctl.state import paths
+from graphctl.state.steps import rebind_step
 
 __all__ = ["TracedSwitch", "traced_write"]
 
@@ -51,7 +52,7 @@ class TracedSwitch:
         st._traced = self
         for name, act in pp.copies:
             st._tensors[name].copy_(st._source(act))
-        self.rebinds = [st._rebind_step(name, twin) for name, twin in pp.swaps]  # the eager switch's own steps
+        self.rebinds = [rebind_step(st, name, twin) for name, twin in pp.swaps]  # the eager switch's own steps
         for step in self.rebinds:
             step.apply()
         for name in pp.recompute:

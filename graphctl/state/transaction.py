@@ -25,7 +25,7 @@ from graphctl.errors import SwitchError
 from graphctl.state.interrupts import deferred
 from graphctl.state.phase import capture_invalidated
 
-__all__ = ["FaultHook", "Owner", "Step", "Switch"]
+__all__ = ["FaultHook", "Owner", "Step", "StepFailures", "Switch"]
 
 _SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 _WITH_OPS = frozenset(dis.opmap[n] for n in ("BEFORE_WITH", "SETUP_WITH") if n in dis.opmap)
@@ -43,6 +43,15 @@ def _with_frame(caller: Any) -> Any:
 
 FaultHook = Callable[[str, str, str], None]  # (stage, step, "before"|"after"), for fault-injection tests
 Failures = list[tuple[str, BaseException]]  # (what could not be undone, why)
+
+
+class StepFailures(Exception):
+    """Raised by the undo of a step that restores several things (the native switch): every
+    part that could not be undone, each with its own exception, reported as separate failures."""
+
+    def __init__(self, failures: Failures) -> None:
+        super().__init__("; ".join(f"{n}: {type(e).__name__}: {e}" for n, e in failures))
+        self.failures = failures
 
 
 class Step:
@@ -164,6 +173,8 @@ class Switch:
                     st._hook(stage, step.name, "before")
                     step.undo()
                     st._hook(stage, step.name, "after")
+                except StepFailures as err:
+                    failures.extend(err.failures)
                 except BaseException as err:  # keep restoring the rest; report all of them
                     failures.append((step.name, err))
             self.applied.pop()

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from graphctl import ops
 from graphctl.errors import BindError, SwitchError
 from graphctl.state import paths
 from graphctl.state.spec import BufferDecl, CopyInPlace
@@ -208,6 +209,16 @@ def expected_bindings(st: Any, phase: str | None) -> tuple[tuple[str, Any], ...]
             for n, _ in st._manifest)
     return exp
 
+def _split(st: Any, phase: str | None) -> tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]:
+    """The expected bindings of ``phase`` as (plain names, paths): plain ones are checked in one C call."""
+    out = st._expect_split.get(phase)
+    if out is None:
+        exp = expected_bindings(st, phase)
+        out = st._expect_split[phase] = (tuple(p for p in exp if not paths.is_path(p[0])),
+                                 tuple(p for p in exp if paths.is_path(p[0])))
+    return out
+
+
 def check_bindings(st: Any, entering: str | None = None) -> None:
     """Raise ``SwitchError`` naming the first declared attribute rebound, deleted or re-viewed
     behind graphctl's back (run on every switch entry and write)."""
@@ -216,10 +227,8 @@ def check_bindings(st: Any, entering: str | None = None) -> None:
     # On entry (``entering`` set) the switch owns the state but has not swapped anything yet.
     obj, sw = st.obj, st._active
     phase = sw.phase if sw is not None and entering is None else None
-    for name, want in st._expected(phase):  # a plain name through getattr: paths.get is one call more a name
-        if (paths.get(obj, name, None) if paths.is_path(name) else getattr(obj, name, None)) is not want:
-            break
-    else:
+    plain, pathed = _split(st, phase)
+    if ops.all_bound(obj, plain) and all(paths.get(obj, n, None) is w for n, w in pathed):
         return
     # Slow path: name the offender. Entering a phase that swaps X accepts X already bound to
     # its twin (a hand-written hook swapped it): the restore target stays the bind-time

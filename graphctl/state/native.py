@@ -1,0 +1,93 @@
+"""The native switch: one phase's steps as one call into ``graphctl._C`` per direction.
+
+``BoundState._steps`` builds the Python steps of a phase (snapshot groups, rebinds, recomputes;
+the reference) or, where it can, one :class:`~graphctl.state.transaction.Step` backed by a
+``SwitchTable`` built here from the same groups and plan: per device group the statics, arenas
+and copy sources, the attribute puts of every swap and alias, and each recompute as a
+pre-resolved call (inside a switch every declared entry is bound to a known tensor or object, so
+a recompute's target and inputs are fixed at build time). A switch then costs one C++ call to
+apply and one to undo, with no Python loop over buffers and no dispatcher call made from
+Python. The table counts what it applied, so its undo is right after a full apply, a partial one
+or none (the step is ``idempotent``), and its failures are reported one by one
+(:class:`~graphctl.state.transaction.StepFailures`).
+
+Copy sources are read every switch (a callable one is called once, as the user callable it is)
+and compared by identity with the object validated last; a new object is checked in Python, as
+the Python step checks it, before anything is written. Where the Python steps stay: the
+``capture`` phase (recorded once; its dead-capture handling is per step), no extension loaded,
+``GRAPHCTL_NATIVE_SWITCH=0``, and states with a fault-injection or user hook installed (tests
+reach inside the Python steps).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from graphctl import ops
+from graphctl.state import paths
+from graphctl.state.steps import use_error
+from graphctl.state.transaction import Step, StepFailures
+from graphctl.state.validate import check_source
+
+__all__ = ["native_step"]
+
+_UNCHECKED = object()  # a copy source no switch has validated yet
+
+
+def _target(obj: Any, name: str) -> Any:
+    """What the table sets: a plain attribute name, or a setter for a path."""
+    return functools.partial(paths.put, obj, name) if paths.is_path(name) else name
+
+
+def _getter(st: Any, source: Any) -> Any:
+    """How the table reads a copy source: an attribute name, or a call (a path; a callable
+    source, run as the user callable it is, once per switch)."""
+    if callable(source):
+        return functools.partial(st._call_user, "a CopyInPlace source", source, st.obj)
+    return functools.partial(paths.get, st.obj, source) if paths.is_path(source) else source
+
+
+def native_step(st: Any, phase: str) -> Step | None:
+    """The phase's steps as one native step, or None where the Python steps must run."""
+    if phase == "capture" or not ops.uses_extension():
+        return None
+    obj, pp = st.obj, st.plan.phases[phase]
+    groups, copy_names = [], []
+    for g in st._groups[phase]:
+        copies = tuple((i, _getter(st, act.source), _UNCHECKED) for i, _, act in g.copies)
+        groups.append((f"snapshot[{g.device}]({', '.join(g.names)})", list(g.statics), list(g.arenas),
+                       list(g.statics), copies))
+        copy_names.append([name for _, name, _ in g.copies])
+
+    def bound(entry: str) -> Any:  # what the entry is bound to while the switch is in
+        held = pp.resolve.get(entry, entry)
+        return st._tensors[held] if held in st._tensors else st._objects[held]
+
+    puts = []
+    for name, _ in pp.swaps:
+        puts.append((_target(obj, name), bound(name), st._tensors.get(name, st._objects.get(name))))
+        puts += [(_target(obj, alias), tv, ov) for alias, ov, tv in st._aliases.get(name, ())]
+    recomputes = []
+    for n in pp.recompute:
+        rc = st.plan.buffers[n].derive
+        args = (f"the Recompute fn of '{n}'", rc.fn, bound(n), *(bound(i) for i in rc.inputs))
+        recomputes.append((st._call_user, args))
+    table = ops.switch_table(obj, groups, puts, recomputes)
+    if table is None:
+        return None
+
+    def apply() -> None:
+        stale = table.apply(True)
+        if stale is None:
+            return
+        for gi, ci, src in stale:  # first switch, or a source rebound since: check it as the Python step does
+            check_source(st, copy_names[gi][ci], src, "source", use_error)
+            table.set_source(gi, ci, src, src)
+        table.apply(False)  # nothing ran in between: the sources just checked are the ones to copy
+
+    def undo() -> None:
+        failures = table.undo()
+        if failures:
+            raise StepFailures([(str(what), err) for what, err in failures])
+
+    return Step(f"native[{phase}]", apply, undo, recorded=False, idempotent=True)
