@@ -54,8 +54,9 @@ class DSABench:
             sh = shape(S, B, T, D)
             t = torch.randint(0, 1000, sh, generator=g, dtype=dtype)
             src = torch.randint(-5, 1000, sh, generator=g, dtype=dtype).clamp_(min=0)  # draft values, valid
-            setattr(self, name, t.pin_memory() if host else t.to(dev))
-            setattr(self, "draft_src_" + name, src.pin_memory() if host else src.to(dev))
+            pin = host and dev.type == "cuda"
+            setattr(self, name, t.pin_memory() if pin else t.to(dev))
+            setattr(self, "draft_src_" + name, src.pin_memory() if pin else src.to(dev))
         self.seq_lens.fill_(1 + D)
         self.draft_src_seq_lens.fill_(1)
         self.req_idx_per_token = torch.empty(T, dtype=torch.int32, device=dev)
@@ -110,20 +111,20 @@ class ForeachBaseline:
             torch._foreach_copy_(statics, snaps)
 
 
-def time_interleaved(fns, reps, rounds=5):
+def time_interleaved(fns, reps, rounds=5, dev=torch.device("cuda")):
     """Median µs per variant, the variants run in turn in ``rounds`` blocks of reps // rounds calls:
     a drift of the host's speed during the run hits every variant alike."""
     samples = {k: [] for k in fns}
     for fn in fns.values():
         for _ in range(20):
             fn()
-    torch.cuda.synchronize()
+    sync(dev)
     for _ in range(rounds):
         for k, fn in fns.items():
             for _ in range(max(1, reps // rounds)):
                 t0 = time.perf_counter()
                 fn()
-                torch.cuda.synchronize()
+                sync(dev)
                 samples[k].append((time.perf_counter() - t0) * 1e6)
     return {k: statistics.median(v) for k, v in samples.items()}
 
@@ -177,8 +178,12 @@ def count_launches(fn):
     return kernels, memcpys, a1 - a0
 
 
-def run_config(label, S, B, T, D, reps):
-    dev = torch.device("cuda")
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_config(label, S, B, T, D, reps, dev=torch.device("cuda")):
     m = DSABench(S, B, T, D, dev)
     reg = Registry()
     reg.register(DSABench, make_spec())
@@ -217,13 +222,16 @@ def run_config(label, S, B, T, D, reps):
 
     row = {"config": label, "snapshot_bytes": nbytes}
     med = time_interleaved({"a": lambda: hand_written(m, names), "b": fe, "c": gc_switch, "c_py": gc_python_steps,
-                            "floor": floor}, reps)
+                            "floor": floor}, reps, dev=dev)
     row["a_handwritten_us"], row["b_foreach_us"], row["c_graphctl_eager_us"] = med["a"], med["b"], med["c"]
     row["c_python_steps_us"], row["floor_ops_us"] = med["c_py"], med["floor"]
     row["a_over_floor"] = med["a"] / med["floor"]
-    torch.cuda.synchronize()
+    row["a_over_c"] = row["a_handwritten_us"] / row["c_graphctl_eager_us"]
+    sync(dev)
     for n, v in before.items():  # the floor's restore put every buffer back
         assert torch.equal(getattr(m, n), v), f"{label}: {n} not restored by the floor variant"
+    if dev.type != "cuda":  # host overhead only: no launches to count, no graphs
+        return row
     for key, fn in (("a", lambda: hand_written(m, names)), ("b", fe), ("c", gc_switch)):
         k, c, a = count_launches(fn)
         row[f"{key}_kernels"], row[f"{key}_memcpys"], row[f"{key}_allocs"] = k, c, a
@@ -233,7 +241,6 @@ def run_config(label, S, B, T, D, reps):
     row["b_foreach_graph_us"] = time_graph(g_fe, reps)
     for n, v in before.items():
         assert torch.equal(getattr(m, n), v), f"{label}: {n} not restored"
-    row["a_over_c"] = row["a_handwritten_us"] / row["c_graphctl_eager_us"]
     row["bgraph_over_d"] = row["b_foreach_graph_us"] / row["d_graphctl_graph_us"]
     return row
 
@@ -269,13 +276,42 @@ def bandwidth(reps, total_mib=512, nbuf=16):
             "graphctl_copy_GBps": 2 * data / t_gcopy / 1e9, "ratio": bw_swap / bw_copy}
 
 
+def main_cpu(args):
+    import platform
+
+    from rich.console import Console
+    from rich.table import Table
+
+    dev = torch.device("cpu")
+    rows = [run_config(k, *v, reps=args.reps, dev=dev) for k, v in CONFIGS.items()]
+    con = Console(width=200)
+    con.print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
+              f"{torch.__version__}, graphctl._C: {ops.uses_extension()}")
+    t = Table(title="one switch (apply + restore), every buffer on the CPU, median us")
+    cols = ["config", "snapshot_bytes", "a_handwritten_us", "b_foreach_us", "c_graphctl_eager_us", "a_over_c",
+            "c_python_steps_us", "floor_ops_us", "a_over_floor"]
+    for c in cols:
+        t.add_column(c.replace("_", " "), justify="right")
+    for r in rows:
+        t.add_row(*(f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+    con.print(t)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": "cpu", "torch": torch.__version__, "rows": rows}, f, indent=2)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: the eager columns only, every buffer on the host (host overhead, no GPU)")
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
+
+    if args.device == "cpu":
+        return main_cpu(args)
 
     props = torch.cuda.get_device_properties(0)
     hw = {"gpu": props.name, "torch": torch.__version__, "cuda": torch.version.cuda,
