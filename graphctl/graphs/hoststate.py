@@ -49,6 +49,9 @@ class HostChange:
 HostValues = dict[str, tuple[Any, str, Any, Any]]
 
 
+_OWN = ("graphctl.graphs.", "graphctl.state.")  # modules whose objects are graphctl's machinery, not user state
+
+
 def _plain(v: Any) -> bool:
     return isinstance(v, _PLAIN) or (isinstance(v, tuple) and len(v) <= 8 and all(isinstance(e, _PLAIN) for e in v))
 
@@ -64,6 +67,8 @@ def take(roots: Iterable[tuple[str, Any]]) -> HostValues:
         if len(out) >= _MAX_VALUES or depth > _MAX_DEPTH or id(v) in seen or isinstance(v, torch.Tensor):
             return
         if isinstance(v, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+            return
+        if type(v).__module__.startswith(_OWN):  # graphctl's own runners, ledgers, bound states: it keeps them
             return
         seen.add(id(v))
         items: list[tuple[str, str, Any, Any]] = []

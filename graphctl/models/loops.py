@@ -154,7 +154,7 @@ class PerStepLoop:
         token = self.token[:b]
 
         def prefill(_mark=None) -> None:
-            eng.run_layers(ids, eng.draft_layers)
+            eng.run_layers(ids, eng.draft_layers, eng.k + 1)
 
         def step(_mark=None) -> None:
             token.copy_(eng.run_layers(token, eng.draft_layers).argmax(-1))

@@ -115,9 +115,11 @@ class MTPEngine:
 
     # ----------------------------------------------------------------------- the model
 
-    def run_layers(self, tokens: torch.Tensor, layers: Sequence[_Layer]) -> torch.Tensor:
+    def run_layers(self, tokens: torch.Tensor, layers: Sequence[_Layer], per_request: int = 1) -> torch.Tensor:
         """Logits for ``tokens`` laid out by the metadata's current maps; writes their K/V into
-        the cache of the *bound* ``kv_cache_manager`` (the draft's inside a draft switch)."""
+        the cache of the *bound* ``kv_cache_manager`` (the draft's inside a draft switch).
+        ``per_request``: tokens a request at most (this engine attends per token and ignores it;
+        an engine whose attention batches by request, such as the HF one, needs it)."""
         m, bs = self.meta, self.cfg.block_size
         T, S = tokens.shape[0], m.seq_lens.numel()
         req = m.req_idx_per_token[:T].long().clamp(max=S - 1)
@@ -154,7 +156,7 @@ class MTPEngine:
         """Target forward and greedy acceptance: accepted lengths and bonus tokens, on the device."""
         k = self.k
         n = input_ids.shape[0] // (k + 1)
-        best = self.run_layers(input_ids, self.target_layers).argmax(-1).view(n, k + 1)
+        best = self.run_layers(input_ids, self.target_layers, k + 1).argmax(-1).view(n, k + 1)
         drafts_in = input_ids.view(n, k + 1)[:, 1:]
         accepted = 1 + (drafts_in == best[:, :-1]).long().cumprod(1).sum(1)
         return accepted, best.gather(1, (accepted - 1)[:, None])[:, 0]
@@ -175,7 +177,7 @@ class MTPEngine:
         """The step's k+1 tokens into the draft KV cache, then the layout of one token a
         request; returns each request's ``kv_lens`` for the first draft step (the bonus token
         sits at context + accepted)."""
-        self.run_layers(input_ids, self.draft_layers)
+        self.run_layers(input_ids, self.draft_layers, self.k + 1)
         return self.draft_layout(accepted, write)
 
     def draft_layout(self, accepted: torch.Tensor, write: Callable[[str, torch.Tensor], None]) -> torch.Tensor:

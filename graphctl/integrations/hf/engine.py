@@ -1,0 +1,235 @@
+"""Unchanged Hugging Face causal LMs on graphctl's paged backend: plain and speculative decode.
+
+:class:`HFEngine` is the reference MTP engine's step (``graphctl.models.mtp``: target forward
+over ``k + 1`` tokens a request, greedy acceptance on the device, ``state.switch("draft")``, the
+layout written from ``k + 1`` tokens a request to 1, ``k`` draft steps) with its two models
+replaced by transformers models: a target and a draft, each with its own paged KV cache and
+manager, attending through :mod:`graphctl.integrations.hf.attention`. The metadata is the
+``paged`` family's, declared, bound, padded and audited as for the reference engine, so
+``graphed_step(engine, mode=...)`` captures it in every loop mode.
+
+:func:`oracle_draft` builds the draft that makes acceptance an exact check: the target with the
+output projections of its layers past the first ``layers`` zeroed (they still run and read
+their weights, adding exactly zero), and a draft made of the target's embedding, first layers,
+final norm and head; both then produce the same logits, so every draft token is accepted.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from graphctl.families.paged import KVCacheManager, PagedMetadata, paged_spec
+from graphctl.integrations.hf.attention import ATTENTION, PagedBatch, register
+from graphctl.models.mtp import EngineConfig, MTPEngine
+from graphctl.state import Registry, StateSpec, bind
+
+__all__ = ["HFEngine", "GenerateResult", "oracle_draft", "uses_paged_attention"]
+
+
+def uses_paged_attention(model: Any) -> bool:
+    return model.config._attn_implementation == ATTENTION
+
+
+def oracle_draft(target: Any, layers: int = 2) -> Any:
+    """Zero the output projections (``o_proj``, ``down_proj``) of ``target``'s layers from
+    ``layers`` on, in place, and return a ``layers``-layer draft sharing its embedding, first
+    layers, final norm and LM head: target and draft logits are then equal."""
+    decoder = target.model.layers
+    if layers >= len(decoder):
+        raise ValueError(f"an oracle draft of {layers} layers needs a target with more (it has {len(decoder)})")
+    with torch.no_grad():
+        for layer in list(decoder)[layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = layers
+    if getattr(cfg, "layer_types", None) is not None:  # configs that list a type per layer
+        cfg.layer_types = cfg.layer_types[:layers]
+    draft = type(target)(cfg)
+    draft.model.embed_tokens = target.model.embed_tokens
+    draft.model.layers = torch.nn.ModuleList(list(decoder)[:layers])
+    draft.model.norm = target.model.norm
+    draft.lm_head = target.lm_head
+    return draft.to(target.device).eval()
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    tokens: list[torch.Tensor]  # per request: the generated tokens (EOS included when hit)
+    accepted: list[torch.Tensor]  # per step: accepted length of each request (1..k+1), on the host
+    steps: int
+
+    @property
+    def mean_accepted(self) -> float:
+        return float(torch.stack(self.accepted).float().mean()) if self.accepted else 0.0
+
+
+class HFEngine(MTPEngine):
+    """A target and a draft transformers model on two paged KV caches and one bound metadata.
+
+    Both models must be built with ``attn_implementation="graphctl_paged"`` (:func:`register`
+    first; :meth:`build` does both). ``draft_len`` 0 is plain decode (:meth:`decode_step`)."""
+
+    def __init__(self, target: Any, draft: Any, *, draft_len: int = 3, block_size: int = 16, max_seqs: int = 8,
+                 max_context: int = 256, spec: StateSpec | None = None) -> None:
+        for role, m in (("target", target), ("draft", draft)):
+            if not uses_paged_attention(m):
+                raise ValueError(f"the {role} model runs attention {m.config._attn_implementation!r}; build it with "
+                                 f"attn_implementation={ATTENTION!r} (HFEngine.build does)")
+            if getattr(m.config, "use_sliding_window", False):
+                raise ValueError(f"the {role} model uses sliding-window attention, which graphctl_paged does not "
+                                 "implement; set use_sliding_window=False")
+        tcfg = target.config
+        dtype, dev = target.dtype, target.device
+        self.cfg = EngineConfig(vocab=tcfg.vocab_size, hidden=tcfg.hidden_size, layers=tcfg.num_hidden_layers,
+                                block_size=block_size, max_seqs=max_seqs, max_context=max_context,
+                                draft_len=draft_len, dtype=dtype)
+        self.device, self.k, self.tp_group = dev, draft_len, None
+        self.target_layers, self.draft_layers = target.eval(), draft.eval()
+        blocks = -(-max_context // block_size)
+
+        def manager(name: str, model: Any, seed: int) -> KVCacheManager:
+            c = model.config
+            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+            return KVCacheManager(name, layers=c.num_hidden_layers, seqs=max_seqs, blocks=blocks,
+                                  block_size=block_size, head_dim=c.num_key_value_heads * head_dim, dtype=dtype,
+                                  device=dev, seed=seed)
+
+        self.meta = PagedMetadata(seqs=max_seqs, blocks=blocks, draft_len=max(draft_len, 0),
+                                  kv_cache_manager=manager("target", target, 1),
+                                  draft_kv_cache_manager=manager("draft", draft, 2), device=dev)
+        self.registry = Registry()
+        self.registry.register(PagedMetadata, spec or paged_spec(block_size=block_size))
+        self.state = bind(self.meta, registry=self.registry)
+
+    @classmethod
+    def build(cls, config: Any, *, draft_layers: int = 2, device: Any = "cpu", dtype: torch.dtype = torch.float32,
+              seed: int = 0, **kw: Any) -> HFEngine:
+        """A target of ``config`` with random weights and its :func:`oracle_draft`."""
+        from transformers import AutoModelForCausalLM
+
+        register()
+        torch.manual_seed(seed)
+        target = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, dtype=dtype)
+        target = target.to(device).eval()
+        return cls(target, oracle_draft(target, draft_layers), **kw)
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Both models' weights and both KV caches by name (the audit's ``params``)."""
+        out = {f"target.{n}": p for n, p in self.target_layers.named_parameters()}
+        out.update({f"target.{n}": b for n, b in self.target_layers.named_buffers()})
+        out.update({f"draft.{n}": p for n, p in self.draft_layers.named_parameters()})
+        out.update({f"draft.{n}": b for n, b in self.draft_layers.named_buffers()})
+        for mgr in (self.meta.kv_cache_manager, self.meta.draft_kv_cache_manager):
+            out.update({f"{mgr.name}.k[{i}]": t for i, t in enumerate(mgr.k)})
+            out.update({f"{mgr.name}.v[{i}]": t for i, t in enumerate(mgr.v)})
+            out[f"{mgr.name}.block_ids"] = mgr.block_ids
+        return out
+
+    # ----------------------------------------------------------------------- the models
+
+    def run_layers(self, tokens: torch.Tensor, model: Any, per_request: int = 1,  # type: ignore[override]
+                   rows: int = 0) -> torch.Tensor:
+        """Logits [T, vocab] of ``model`` for ``tokens`` laid out by the metadata now, at most
+        ``per_request`` tokens a request in ``rows`` request rows (0: ``T / per_request``, a
+        step's uniform layout); writes their K/V into the bound manager's cache."""
+        T, q = tokens.shape[0], per_request
+        batch = PagedBatch.build(self.meta, T, q, rows or -(-T // q))
+        pos = self.meta.token_positions[:T].clamp(min=0)
+        with torch.no_grad():
+            out = model(input_ids=tokens[None], position_ids=pos[None], use_cache=False, graphctl_batch=batch)
+        return out.logits[0]
+
+    def decode_step(self, input_ids: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
+        """Plain decode: the target's greedy next token for one token a request."""
+        return self.run_layers(input_ids, self.target_layers).argmax(-1)
+
+    # ------------------------------------------------------------------- host-side loop
+
+    def prefill(self, prompts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Every prompt's K/V into both caches, ``k + 1`` tokens a request a pass (ragged: a
+        shorter prompt's request is empty in later passes); each request's first new token."""
+        n, m, q = len(prompts), self.meta, self.k + 1
+        if n > self.cfg.max_seqs:
+            raise ValueError(f"{n} prompts but max_seqs={self.cfg.max_seqs}")
+        lens = torch.tensor([len(p) for p in prompts])
+        first = torch.zeros(n, dtype=torch.int64, device=self.device)
+        for c in range(-(-int(lens.max()) // q)):
+            take = (lens - c * q).clamp(0, q)
+            tokens = torch.cat([p[c * q:c * q + int(t)] for p, t in zip(prompts, take)]).to(self.device)
+            m.prepare(self.state, take.to(torch.int32), torch.minimum(lens, torch.full_like(lens, (c + 1) * q)))
+            logits = self.run_layers(tokens, self.target_layers, q, rows=n)  # ragged: tokens packed by request
+            with self.state.switch("draft"):
+                self.run_layers(tokens, self.draft_layers, q, rows=n)
+            ends = torch.cumsum(take, 0) - 1
+            done = ((lens > c * q) & (lens <= (c + 1) * q)).nonzero()[:, 0]
+            first[done.to(self.device)] = logits[ends[done].to(self.device)].argmax(-1)
+        return first
+
+    def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int, forward: Any = None, *,
+                 eos_token_id: int | None = None, progress: bool = False) -> GenerateResult:  # type: ignore[override]
+        """Greedy generation: prefill, then decode (``draft_len`` 0) or speculative steps through
+        ``forward`` (``self.step``/``self.decode_step`` by default, or their ``@graphed``
+        wrappers), until every request has ``max_new_tokens`` tokens or its EOS."""
+        n, k, m = len(prompts), self.k, self.meta
+        context = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+        need = int(context.max()) + max_new_tokens + 2 * k + 2
+        if need > self.cfg.max_context:
+            raise ValueError(f"max_context={self.cfg.max_context} too small: prompts up to {int(context.max())} "
+                             f"tokens + {max_new_tokens} new + {2 * k + 2} of speculation need {need}")
+        token = self.prefill(prompts)
+        out_tokens: list[list[int]] = [[int(t)] for t in token.tolist()]
+        done = [eos_token_id is not None and t[0] == eos_token_id for t in out_tokens]
+        drafts = token[:, None].repeat(1, k)
+        history: list[torch.Tensor] = []
+        bar = _progress(progress, max_new_tokens)
+        while not all(d or len(t) >= max_new_tokens for d, t in zip(done, out_tokens)):
+            if k == 0:
+                m.prepare(self.state, torch.ones(n, dtype=torch.int32), context + 1)
+                token = (forward or self.decode_step)(token, m).clone()
+                accepted = torch.ones(n, dtype=torch.int64)
+                new = token.cpu()[:, None]
+            else:
+                ids = torch.cat([token[:, None], drafts], 1).reshape(-1)
+                m.prepare(self.state, torch.full((n,), k + 1, dtype=torch.int32), context + k + 1)
+                out = (forward or self.step)(ids, m)
+                accepted = out.accepted.to("cpu", copy=True)
+                token, drafts = out.bonus.clone(), out.drafts.clone()
+                seen = torch.cat([ids.view(n, k + 1)[:, 1:].cpu(), token.cpu()[:, None]], 1)
+                new = seen  # request r emits seen[r, :a-1] and the bonus token
+            history.append(accepted)
+            context = context + accepted.to(torch.int32)
+            for r in range(n):
+                if done[r]:
+                    continue
+                a = int(accepted[r])
+                emitted = new[r, :a - 1].tolist() + [int(new[r, -1])] if k else [int(new[r, 0])]
+                for t in emitted:
+                    if len(out_tokens[r]) < max_new_tokens and not done[r]:
+                        out_tokens[r].append(t)
+                        done[r] = eos_token_id is not None and t == eos_token_id
+            if bar is not None:
+                bar(min(len(t) for t in out_tokens))
+        return GenerateResult([torch.tensor(t) for t in out_tokens], history, len(history))
+
+
+def _progress(on: bool, total: int) -> Callable[[int], None] | None:
+    """A rich progress bar updated to ``done`` tokens (the slowest request); None when off."""
+    if not on:
+        return None
+    from rich.progress import Progress
+
+    p = Progress(transient=True)
+    task = p.add_task("generating", total=total)
+    p.start()
+
+    def update(done: int) -> None:
+        p.update(task, completed=done)
+        if done >= total:
+            p.stop()
+
+    return update
