@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("target", nargs="?", metavar="TARGET",
                    help="module:factory or file.py:factory returning a CaptureTarget (default: the built-in engine, "
                         "graphctl.cli.builtin:capture_target)")
+    c.add_argument("--hf-config", metavar="NAME", default=None,
+                   help="capture a Hugging Face model's speculative decode step on graphctl's paged cache instead: "
+                        "a named config with random weights (tiny-llama, tiny-qwen2, tiny-qwen3, llama-1b) or a "
+                        "config JSON path, e.g. --hf-config tiny-qwen3 (needs graphctl[transformers])")
     c.add_argument("--buckets", type=_buckets, metavar="LIST",
                    help="batch sizes (requests) to capture, e.g. --buckets 1,2,4,8 (default: derived from "
                         "--max-batch: powers of two and the maximum)")

@@ -24,6 +24,7 @@ __all__ = ["run_capture", "derive_buckets", "coverage_rows", "SCHEMA"]
 
 SCHEMA = "graphctl.capture/1"
 BUILTIN = "graphctl.cli.builtin:capture_target"
+HF_TARGET = "graphctl.cli.hf_target:capture_target"  # --hf-config
 
 
 def derive_buckets(max_batch: int) -> list[int]:
@@ -199,9 +200,12 @@ def run_capture(args) -> int:
     # The factory's example holds max_batch items: every batch size up to it must be served.
     max_batch = args.max_batch or (max(args.buckets) if args.buckets else 64)
     buckets = args.buckets or derive_buckets(max_batch)
+    if args.hf_config and args.target:
+        con.print("[red]graphctl capture: give a TARGET or --hf-config, not both")
+        return 2
+    spec, extra = (HF_TARGET, {"hf_config": args.hf_config}) if args.hf_config else (args.target or BUILTIN, {})
     try:
-        target = load_target(args.target or BUILTIN, device=device, max_batch=max_batch,
-                                             draft_len=args.draft_len)
+        target = load_target(spec, device=device, max_batch=max_batch, draft_len=args.draft_len, **extra)
     except GraphctlError as exc:
         con.print(f"[red]graphctl capture: {escape(str(exc))}")
         return 2

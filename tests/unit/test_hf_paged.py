@@ -1,0 +1,163 @@
+"""Unchanged Hugging Face models on graphctl's paged backend (graphctl/integrations/hf): greedy
+tokens equal transformers' own eager ``generate`` token for token, plain and speculative, eager and
+graphed; the acceptance oracle in every CPU loop mode; verify and audit clean; the seeded stale
+map caught and costing acceptance as the batch grows. CPU, fp32, tiny random configs (the H200
+runs ``tests/cuda/test_hf_paged_cuda.py``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphctl
+from graphctl import Recompute, StaleBufferError, StateSpec, StaticInput
+from graphctl.families.paged import paged_spec, token_map_
+
+transformers = pytest.importorskip("transformers")
+
+from graphctl.integrations.hf import HFEngine  # noqa: E402
+from graphctl.integrations.hf.configs import hf_config  # noqa: E402
+from graphctl.models import graphed_step  # noqa: E402
+
+NEW = 10
+
+
+def _prompts(n: int, gen: torch.Generator, vocab: int = 128) -> list[torch.Tensor]:
+    lens = torch.randint(2, 14, (n,), generator=gen)  # ragged
+    return [torch.randint(0, vocab, (int(L),), generator=gen) for L in lens]
+
+
+def _reference(eng: HFEngine, name: str, prompts, new: int) -> list[list[int]]:
+    """transformers' own eager greedy generate on a copy of the target with its stock attention, one request
+    at a time (no padding), as a user runs it today."""
+    ref = transformers.AutoModelForCausalLM.from_config(hf_config(name), attn_implementation="eager")
+    ref.load_state_dict(eng.target_layers.state_dict())
+    ref.eval()
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            g = ref.generate(p[None], max_new_tokens=new, do_sample=False, pad_token_id=0)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+def _engine(name: str, k: int, seed: int, spec: StateSpec | None = None) -> HFEngine:
+    return HFEngine.build(hf_config(name), draft_len=k, max_seqs=8, max_context=64, block_size=8, seed=seed,
+                          spec=spec)
+
+
+def _seed(gen: torch.Generator) -> int:
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen2"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_tokens_equal_transformers_generate(name, k, gen):
+    # Issue 18: graphctl's paged attention must reproduce transformers' own greedy tokens, ragged batch of 3.
+    seed = _seed(gen)
+    eng = _engine(name, k, seed)
+    prompts = _prompts(3, gen)
+    got = eng.generate(prompts, NEW)
+    assert [t.tolist() for t in got.tokens] == _reference(eng, name, prompts, NEW)
+    if k:
+        assert all(torch.equal(a, torch.full_like(a, k + 1)) for a in got.accepted[1:]), got.accepted
+
+
+@pytest.mark.parametrize("bs", [1, 3, 8])
+def test_graphed_decode_and_speculative_equal_transformers(bs, gen):
+    # Issue 18: the graphed steps (emulated recorder here, CUDA graphs under -m cuda) at bucket and non-bucket
+    # batch sizes give transformers' tokens too.
+    seed = _seed(gen)
+    prompts = _prompts(bs, gen)
+    want = None
+    for k in (0, 3):
+        eng = _engine("tiny-llama", k, seed)
+        if want is None:
+            want = _reference(eng, "tiny-llama", prompts, NEW)
+        if k == 0:
+            step = graphctl.graphed(eng.decode_step, buckets=[1, 2, 4, 8], state=eng.state, backend="emulated",
+                                    inputs=[StaticInput("input_ids")], progress=False, params=eng.named_tensors())
+        else:
+            step = graphed_step(eng, "unrolled", buckets=(1, 2, 4, 8), backend="emulated")
+        got = eng.generate(prompts, NEW, forward=step)
+        assert [t.tolist() for t in got.tokens] == want, k
+        assert sum(b.replays for b in step.report().buckets) == got.steps
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "per_step"])
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_every_draft_accepted_with_the_oracle_draft(mode, k, gen):
+    # Issue 18 acceptance oracle: the target's own first layers as the draft accept k+1 tokens every step, at
+    # every batch size (one set of graphs serves 1, 3 and 8).
+    seed = _seed(gen)
+    eng = _engine("tiny-llama", k, seed)
+    step = graphed_step(eng, mode, buckets=(1, 4, 8), backend="emulated")
+    for bs in (1, 3, 8):
+        got = eng.generate(_prompts(bs, gen), 2 * (k + 1) + 1, forward=step)
+        for i, a in enumerate(got.accepted[1:], 1):
+            assert torch.equal(a, torch.full_like(a, k + 1)), (bs, i, a.tolist())
+
+
+def test_verify_and_audit_clean_on_the_hf_step(gen):
+    # Issue 18: eager vs replay on fresh token ids at every bucket (every cache write compared), and no audit
+    # finding: the HF model's weights and both paged caches are known params, nothing dangling or unregistered.
+    seed = _seed(gen)
+    eng = _engine("tiny-qwen3", 3, seed)
+    m, st = eng.meta, eng.state
+    m.prepare(st, torch.full((5,), 4, dtype=torch.int32), torch.randint(4, 40, (5,), generator=gen, dtype=torch.int32))
+    f = graphed_step(eng, "unrolled", buckets=(2, 4, 8), backend="emulated")
+    f.capture_all(torch.randint(0, 128, (20,), generator=gen), m)
+    results = f.verify(gen=gen, writes="error")
+    assert len(results) >= 3 and all(r.ok for r in results), [str(r) for r in results]
+    audits = f.audit(params=eng.named_tensors())
+    findings = [str(x) for a in audits.values() for x in a.findings]
+    assert set(audits) == {2, 4, 8} and not findings, findings
+    rep = f.report()
+    assert not rep.padding_hazards and not rep.host_changes and not rep.unreached, rep
+
+
+def _stale_engine(k: int, seed: int) -> HFEngine:
+    holder: dict = {}
+    spec = StateSpec("paged-stale-map-hf", extends=paged_spec(block_size=8))
+    spec.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, override=True,
+                derive=Recompute(["kv_cache_manager"], lambda out, _mgr: token_map_(out, holder["meta"].seq_lens)
+                                 if "meta" in holder else out.zero_()))  # reads seq_lens behind graphctl's back
+    eng = _engine("tiny-llama", k, seed, spec=spec)
+    holder["meta"] = eng.meta
+    return eng
+
+
+def test_seeded_stale_map_is_caught_and_costs_acceptance_as_batch_grows(gen):
+    # Issue 18 (TensorRT-LLM #16925 on real model code): a token map not recomputed after the k+1 -> 1 layout
+    # write is caught by the debug check, and without it acceptance falls once several requests share a batch.
+    seed = _seed(gen)
+    eng = _stale_engine(3, seed)
+    with graphctl.knobs.scope(check_stale=True), pytest.raises(StaleBufferError, match="req_idx_per_token"):
+        eng.generate(_prompts(8, gen), 9)
+    by_bs = {}
+    for bs in (1, 8):
+        eng = _stale_engine(3, seed)
+        got = eng.generate(_prompts(bs, torch.Generator().manual_seed(seed)), 9)
+        by_bs[bs] = float(torch.cat(got.accepted[1:]).float().mean())
+    assert by_bs[1] == 4.0, by_bs  # one request: every token maps to request 0, the bug hides
+    assert by_bs[8] < 4.0, by_bs
+
+
+def test_eos_and_max_length_per_request(gen):
+    # Issue 18 generate loop: a request that emits EOS stops there (EOS kept), the others run to max_new_tokens.
+    seed = _seed(gen)
+    eng = _engine("tiny-llama", 3, seed)
+    prompts = _prompts(3, gen)
+    free = eng.generate(prompts, NEW)
+    eos = int(free.tokens[1][4])  # request 1's fifth token
+    got = eng.generate(prompts, NEW, eos_token_id=eos)
+    for r, (a, b) in enumerate(zip(free.tokens, got.tokens)):
+        cut = a.tolist().index(eos) + 1 if eos in a.tolist() else NEW
+        assert b.tolist() == a.tolist()[:cut], r
+
+
+def test_models_without_paged_attention_are_refused():
+    # Issue 18: an HF model built with another attention would read no paged cache; refused with the fix.
+    cfg = hf_config("tiny-llama")
+    plain = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with pytest.raises(ValueError, match="attn_implementation='graphctl_paged'"):
+        HFEngine(plain, plain)
