@@ -99,7 +99,8 @@ def test_the_walker_sees_imports_inside_functions_and_type_checking(tmp_path):
     assert _cycles({"x": {"y"}, "y": {"x"}, "z": set()}) == [["x", "y"]]
 
 
-_LAYERS = ["graphctl.cli", "graphctl.integrations", "graphctl.models", "graphctl.graphs", "graphctl.families", "graphctl.state", "graphctl.ops"]
+_LAYERS = ["graphctl.cli", "graphctl.integrations", "graphctl.models",
+           "graphctl.graphs", "graphctl.families", "graphctl.state", "graphctl.ops"]
 
 
 def test_layers_point_down_only():
