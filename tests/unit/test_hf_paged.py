@@ -17,36 +17,25 @@ transformers = pytest.importorskip("transformers")
 from graphctl.integrations.hf import HFEngine  # noqa: E402
 from graphctl.integrations.hf.configs import hf_config  # noqa: E402
 from graphctl.models import graphed_step  # noqa: E402
+from support.hf import engine, prompts, reference, seed_of  # noqa: E402
 
 NEW = 10
 
 
-def _prompts(n: int, gen: torch.Generator, vocab: int = 128) -> list[torch.Tensor]:
-    lens = torch.randint(2, 14, (n,), generator=gen)  # ragged
-    return [torch.randint(0, vocab, (int(L),), generator=gen) for L in lens]
+def _prompts(n, gen):
+    return prompts(n, gen)
 
 
-def _reference(eng: HFEngine, name: str, prompts, new: int) -> list[list[int]]:
-    """transformers' own eager greedy generate on a copy of the target with its stock attention, one request
-    at a time (no padding), as a user runs it today."""
-    ref = transformers.AutoModelForCausalLM.from_config(hf_config(name), attn_implementation="eager")
-    ref.load_state_dict(eng.target_layers.state_dict())
-    ref.eval()
-    out = []
-    for p in prompts:
-        with torch.no_grad():
-            g = ref.generate(p[None], max_new_tokens=new, do_sample=False, pad_token_id=0)
-        out.append(g[0, len(p):].tolist())
-    return out
+def _reference(eng, name, ps, new):
+    return reference(eng, name, ps, new)
 
 
 def _engine(name: str, k: int, seed: int, spec: StateSpec | None = None) -> HFEngine:
-    return HFEngine.build(hf_config(name), draft_len=k, max_seqs=8, max_context=64, block_size=8, seed=seed,
-                          spec=spec)
+    return engine(name, k, seed, spec=spec)
 
 
 def _seed(gen: torch.Generator) -> int:
-    return int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    return seed_of(gen)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen2"])

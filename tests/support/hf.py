@@ -1,0 +1,44 @@
+"""Helpers of the Hugging Face integration tests (tests/unit/test_hf_paged.py, tests/cuda)."""
+from __future__ import annotations
+
+import torch
+
+from graphctl.integrations.hf import HFEngine
+from graphctl.integrations.hf.configs import hf_config
+
+
+def prompts(n: int, gen: torch.Generator, vocab: int = 128) -> list[torch.Tensor]:
+    """``n`` random prompts of ragged lengths 2..13."""
+    lens = torch.randint(2, 14, (n,), generator=gen)
+    return [torch.randint(0, vocab, (int(L),), generator=gen) for L in lens]
+
+
+def engine(name: str, k: int, seed: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+           **kw) -> HFEngine:
+    return HFEngine.build(hf_config(name), draft_len=k, max_seqs=8, max_context=64, block_size=8, seed=seed,
+                          device=device, dtype=dtype, **kw)
+
+
+def reference_model(eng: HFEngine, name: str):
+    """A copy of the target with transformers' stock attention: what a user runs today."""
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_config(hf_config(name), attn_implementation="eager",
+                                                        dtype=eng.target_layers.dtype)
+    ref.load_state_dict(eng.target_layers.state_dict())
+    return ref.to(eng.device).eval()
+
+
+def reference(eng: HFEngine, name: str, ps, new: int) -> list[list[int]]:
+    """transformers' eager greedy ``generate``, one request at a time (no padding)."""
+    ref = reference_model(eng, name)
+    out = []
+    for p in ps:
+        with torch.no_grad():
+            g = ref.generate(p[None].to(eng.device), max_new_tokens=new, do_sample=False, pad_token_id=0)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+def seed_of(gen: torch.Generator) -> int:
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
