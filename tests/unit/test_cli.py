@@ -148,3 +148,26 @@ def test_derived_buckets_and_coverage_rows():
     rows = coverage_rows({1: "bucket 1", 2: "bucket 2", 3: "bucket 4", 4: "bucket 4", 5: "eager: too large"}, 4)
     assert [(r["batch"], r["tokens"]) for r in rows] == [("1", 4), ("2", 8), ("3-4", 16), ("5", None)]
     assert rows[2]["padding"] == pytest.approx(0.25)
+
+
+def test_hf_config_target_captures_verifies_and_audits_clean(capsys, tmp_path):
+    # Issue 18: graphctl capture --hf-config runs a transformers model's speculative step on the paged cache.
+    pytest.importorskip("transformers")
+    j = tmp_path / "hf.json"
+    rc, out = _capture(capsys, "--hf-config", "tiny-qwen3", "--max-batch", "2", "--verify", "--audit", "--json",
+                       str(j))
+    assert rc == 0 and "HFEngine.step (tiny-qwen3, Qwen3ForCausalLM, k=3)" in out and "result: clean" in out, out
+    doc = json.loads(j.read_text())
+    assert all(v["ok"] and v["write"] is None for v in doc["verify"]) and len(doc["verify"]) >= 2
+    assert all(a["errors"] == 0 for a in doc["audit"].values())
+    assert doc["report"]["host_changes"] == doc["report"]["padding_hazards"] == []
+
+
+@pytest.mark.parametrize("argv,why", [
+    (["--hf-config", "no-such-model"], "unknown --hf-config 'no-such-model'"),
+    (["--hf-config", "tiny-llama", "graphctl.cli.builtin:capture_target"], "not both"),
+])
+def test_bad_hf_config_is_a_clear_error(capsys, argv, why):
+    pytest.importorskip("transformers")
+    rc, out = _capture(capsys, *argv)
+    assert rc == 2 and why in out, out
