@@ -66,3 +66,18 @@ def test_unknown_mode_is_refused():
 
     with pytest.raises(DeclarationError, match="unknown draft-loop mode"):
         graphed_step(MTPEngine(EngineConfig(draft_len=2, max_seqs=4)), "sideways")
+
+
+def test_per_step_reports_no_host_change_of_graphctls_own_runner(gen, caplog):
+    # Regression (issue 18): per_step's head forward is a bound method of the loop, so the host-state walk reached
+    # its GraphRunner's side-effect ledger and reported graphctl's own bookkeeping as "host state changed by
+    # warmup" (one line per cache tensor); graphctl's runners and states are not user state.
+    from graphctl.models import MTPEngine
+    from graphctl.models.mtp import EngineConfig
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    eng = MTPEngine(EngineConfig(draft_len=3, max_seqs=8, seed=seed))
+    loop = graphed_step(eng, "per_step", buckets=(1, 4), backend="emulated")
+    eng.generate(eng.prompts(3, torch.Generator().manual_seed(seed)), 2, forward=loop)
+    assert not loop.head.report().host_changes, loop.head.report().host_changes
+    assert "_ledger" not in caplog.text
