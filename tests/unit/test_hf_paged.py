@@ -150,3 +150,24 @@ def test_models_without_paged_attention_are_refused():
     plain = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     with pytest.raises(ValueError, match="attn_implementation='graphctl_paged'"):
         HFEngine(plain, plain)
+
+
+@pytest.mark.parametrize("prompts,max_new,err,why", [
+    (torch.tensor([1, 2, 3]), 4, TypeError, "non-empty list"),
+    ([], 4, TypeError, "non-empty list"),
+    ([torch.tensor([1.0, 2.0])], 4, TypeError, "prompt 0: expected a 1-D integer tensor"),
+    ([torch.tensor([[1, 2]])], 4, TypeError, "prompt 0: expected a 1-D integer tensor"),
+    ([torch.tensor([1]), torch.tensor([], dtype=torch.int64)], 4, ValueError, "prompt 1 is empty"),
+    ([torch.tensor([1, 500])], 4, ValueError, r"token ids must be in \[0, 128\)"),
+    ([torch.tensor([1])] * 9, 4, ValueError, "max_seqs=8"),
+    ([torch.tensor([1])], 0, ValueError, "max_new_tokens"),
+    ([torch.tensor([1])], 60, ValueError, "max_context=64 too small"),
+])
+def test_bad_generate_input_is_a_clear_error_and_leaves_the_engine_usable(prompts, max_new, err, why, gen):
+    # Issue 18: what a user passes by mistake gets a typed error naming it, before anything runs.
+    eng = _engine("tiny-llama", 3, _seed(gen))
+    with pytest.raises(err, match=why):
+        eng.generate(prompts, max_new)
+    assert eng.state.poisoned is None and eng.state.active_phase is None
+    ps = _prompts(2, gen)
+    assert [t.tolist() for t in eng.generate(ps, 4).tokens] == _reference(eng, "tiny-llama", ps, 4)

@@ -150,12 +150,31 @@ class HFEngine(MTPEngine):
 
     # ------------------------------------------------------------------- host-side loop
 
+    def check_prompts(self, prompts: Sequence[torch.Tensor]) -> None:
+        """TypeError/ValueError naming the prompt that cannot run: 1-D integer token ids in
+        ``[0, vocab)``, at least one, at most ``max_seqs`` prompts."""
+        if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Sequence) or not prompts:
+            raise TypeError(f"prompts: expected a non-empty list of 1-D token-id tensors, found "
+                            f"{type(prompts).__name__}; pass [ids_0, ids_1, ...] (ragged lengths are fine)")
+        if len(prompts) > self.cfg.max_seqs:
+            raise ValueError(f"{len(prompts)} prompts but the engine holds max_seqs={self.cfg.max_seqs}; build it "
+                             f"with max_seqs>={len(prompts)} or split the batch")
+        for i, p in enumerate(prompts):
+            if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.dtype.is_floating_point or p.dtype == torch.bool:
+                raise TypeError(f"prompt {i}: expected a 1-D integer tensor of token ids, found "
+                                f"{type(p).__name__}{tuple(p.shape) if isinstance(p, torch.Tensor) else ''}"
+                                f"{' ' + str(p.dtype) if isinstance(p, torch.Tensor) else ''}")
+            if p.numel() == 0:
+                raise ValueError(f"prompt {i} is empty: every request needs at least one token")
+            lo, hi = int(p.min()), int(p.max())
+            if lo < 0 or hi >= self.cfg.vocab:
+                raise ValueError(f"prompt {i}: token ids must be in [0, {self.cfg.vocab}), found [{lo}, {hi}]")
+
     def prefill(self, prompts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Every prompt's K/V into both caches, ``k + 1`` tokens a request a pass (ragged: a
         shorter prompt's request is empty in later passes); each request's first new token."""
+        self.check_prompts(prompts)
         n, m, q = len(prompts), self.meta, self.k + 1
-        if n > self.cfg.max_seqs:
-            raise ValueError(f"{n} prompts but max_seqs={self.cfg.max_seqs}")
         lens = torch.tensor([len(p) for p in prompts])
         first = torch.zeros(n, dtype=torch.int64, device=self.device)
         for c in range(-(-int(lens.max()) // q)):
@@ -175,6 +194,9 @@ class HFEngine(MTPEngine):
         """Greedy generation: prefill, then decode (``draft_len`` 0) or speculative steps through
         ``forward`` (``self.step``/``self.decode_step`` by default, or their ``@graphed``
         wrappers), until every request has ``max_new_tokens`` tokens or its EOS."""
+        self.check_prompts(prompts)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected a positive int, found {max_new_tokens!r}")
         n, k, m = len(prompts), self.k, self.meta
         context = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
         need = int(context.max()) + max_new_tokens + 2 * k + 2
