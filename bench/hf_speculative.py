@@ -17,7 +17,10 @@ head) proposes exactly what it would choose: every draft is accepted at full cos
   (f) the step of (e) captured by hand with ``torch.cuda.graph`` (same host work: the ids copy,
       ``prepare``, the draft-table refresh), for graphctl's own overhead.
 
-Decode tokens/s excludes prefill (for transformers: a run of ``--new`` tokens minus a run of 1).
+Where the time goes: one eager step of (e) under the profiler, device time by kernel kind
+(switch, attention, GEMMs, gathers, other) next to the eager step's wall time (the graph runs
+the same kernels without the host's launches). Decode tokens/s excludes prefill (for
+transformers: a run of ``--new`` tokens minus a run of 1).
 Targets: (d) >= (c); (e, oracle) >= 3 x (b) at bs 1; (e) per step <= 1.05 x (f).
 
     python bench/hf_speculative.py [--sizes 1 8 32] [--prompt 128] [--new 256] [--json out.json]
@@ -122,6 +125,37 @@ def _step_ms(fn, ids, meta, reps: int = 30) -> float:
     return statistics.median(ts)
 
 
+_KINDS = (("switch", ("swap_copy", "token_to_request", "loop_condition")),
+          ("attention", ("flash", "fmha", "attention", "softmax", "sdpa")),
+          ("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet")),
+          ("gather/scatter", ("index", "gather", "scatter")))
+
+
+def breakdown(eng: HFEngine, ids: torch.Tensor) -> dict[str, float]:
+    """Where one eager step's device time goes (µs by kernel kind; the graph runs the same
+    kernels) next to its host time: the profiler over one step, after a warmup."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng.step(ids, eng.meta)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = _sync()
+        eng.step(ids, eng.meta)
+        t1 = _sync()
+    out = {k: 0.0 for k, _ in _KINDS}
+    out["other"] = 0.0
+    for ev in prof.key_averages():
+        dev = ev.self_device_time_total
+        if dev <= 0:
+            continue
+        name = ev.key.lower()
+        kind = next((k for k, words in _KINDS if any(w in name for w in words)), "other")
+        out[kind] += dev
+    out["device_total"] = sum(out.values())
+    out["eager_wall"] = (t1 - t0) * 1e6
+    return out
+
+
 def run(sizes, prompt: int, new: int, name: str) -> list[dict]:
     rows = []
     g = torch.Generator().manual_seed(0)
@@ -166,6 +200,7 @@ def run(sizes, prompt: int, new: int, name: str) -> list[dict]:
                 eng.meta.prepare(eng.state, torch.full((bs,), k + 1, dtype=torch.int32),
                                  torch.full((bs,), prompt + k + 1, dtype=torch.int32))
                 row[f"e{k}_graphctl_step_ms"] = _step_ms(fwd, ids, eng.meta)
+                row[f"e{k}_breakdown_us"] = breakdown(eng, ids)
                 hand = _hand_step(eng, bs)
                 row[f"f{k}_hand_step_ms"] = _step_ms(hand, ids, None)
                 row[f"e{k}_over_hand"] = row[f"e{k}_graphctl_step_ms"] / row[f"f{k}_hand_step_ms"]
