@@ -176,8 +176,8 @@ def run(sizes, prompt: int, new: int, name: str) -> list[dict]:
 
                 def hf(n_new, model=tgt, **kw):
                     with torch.no_grad():
-                        model.generate(batch, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                                       pad_token_id=0, **kw)
+                        model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=n_new,
+                                       min_new_tokens=n_new, do_sample=False, pad_token_id=0, **kw)
 
                 row["a_hf_eager_tps"] = _hf_decode_tps(hf, bs, new)
                 if bs == 1:

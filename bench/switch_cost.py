@@ -25,7 +25,7 @@ import time
 import torch
 
 import graphctl
-from graphctl import CopyInPlace, Pad, Recompute, Registry, StateSpec, ops
+from graphctl import CopyInPlace, OpCall, Pad, Recompute, Registry, StateSpec, ops
 
 CONFIGS = {"S128-B73-T8448-D3": (128, 73, 8448, 3), "S256-B2048-T16384-D3": (256, 2048, 16384, 3)}
 
@@ -68,7 +68,9 @@ def make_spec():
     for name, (_, dtype, host) in BUFFERS.items():
         axis = {"axis": "seq", "pad": Pad.zero()} if name == "seq_lens" else {}
         spec.buffer(name, dtype=dtype, host=host, draft=CopyInPlace(source="draft_src_" + name), **axis)
-    spec.buffer("req_idx_per_token", dtype=torch.int32, derive=Recompute(["seq_lens"], token_map))
+    # the token map as one op call (OpCall): the native switch launches it from C++, no Python
+    spec.buffer("req_idx_per_token", dtype=torch.int32,
+                derive=Recompute(["seq_lens"], OpCall("token_to_request_", ("out", "in0", "out.numel", 0))))
     return spec
 
 

@@ -16,6 +16,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/python_variable.h>  // pybind11 and torch's tensor casters
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -52,6 +53,24 @@ struct Group {
   std::vector<at::Tensor> statics, arenas, sources;
   std::vector<Source> copies;
 };
+
+// One recompute: a Python callable with its pre-resolved arguments, or one op called boxed with
+// fixed arguments (an OpCall declaration: no Python runs).
+struct Recompute {
+  py::object fn;
+  py::tuple args;
+  std::optional<c10::OperatorHandle> op;
+  std::vector<c10::IValue> stack;
+};
+
+c10::IValue to_ivalue(const py::handle& v) {
+  if (THPVariable_Check(v.ptr())) return THPVariable_Unpack(v.ptr());
+  if (PyBool_Check(v.ptr())) return v.cast<bool>();
+  if (PyLong_Check(v.ptr())) return v.cast<int64_t>();
+  if (PyFloat_Check(v.ptr())) return v.cast<double>();
+  TORCH_CHECK(false, "SwitchTable: an op argument must be a tensor, bool, int or float, found ",
+              py::str(py::type::of(v)).cast<std::string>());
+}
 
 // One rebind: `target` is an attribute name (str) set on the object, or a setter called with
 // the value (a path or a container item).
@@ -106,8 +125,17 @@ class SwitchTable {
       puts_.push_back({t[0], t[1], t[2]});
     }
     for (auto r : recomputes) {
-      auto t = r.cast<py::tuple>();  // (callable, args)
-      recomputes_.emplace_back(t[0], t[1].cast<py::tuple>());
+      auto t = r.cast<py::tuple>();  // ("py", callable, args) or ("op", name, overload, args)
+      Recompute rc;
+      if (t[0].cast<std::string>() == "op") {
+        rc.op = c10::Dispatcher::singleton().findSchemaOrThrow(t[1].cast<std::string>().c_str(),
+                                                               t[2].cast<std::string>().c_str());
+        for (auto a : t[3]) rc.stack.push_back(to_ivalue(a));
+      } else {
+        rc.fn = t[1];
+        rc.args = t[2].cast<py::tuple>();
+      }
+      recomputes_.push_back(std::move(rc));
     }
   }
 
@@ -134,7 +162,14 @@ class SwitchTable {
       ++puts_done_;  // counted first: undo puts the original back whether or not the set completed
       put(p.target, p.value);
     }
-    for (auto& [fn, args] : recomputes_) fn(*args);  // undone by the snapshot, which holds their outputs
+    for (auto& r : recomputes_) {  // undone by the snapshot, which holds their outputs
+      if (r.op) {
+        std::vector<c10::IValue> stack = r.stack;
+        r.op->callBoxed(&stack);
+      } else {
+        r.fn(*r.args);
+      }
+    }
     return py::none();
   }
 
@@ -190,9 +225,9 @@ class SwitchTable {
       Py_VISIT(p.value.ptr());
       Py_VISIT(p.original.ptr());
     }
-    for (const auto& [fn, args] : recomputes_) {
-      Py_VISIT(fn.ptr());
-      Py_VISIT(args.ptr());
+    for (const auto& r : recomputes_) {
+      Py_VISIT(r.fn.ptr());
+      Py_VISIT(r.args.ptr());
     }
     return 0;
   }
@@ -220,7 +255,7 @@ class SwitchTable {
   py::object obj_;
   std::vector<Group> groups_;
   std::vector<Put> puts_;
-  std::vector<std::pair<py::object, py::tuple>> recomputes_;
+  std::vector<Recompute> recomputes_;
   size_t groups_done_ = 0, puts_done_ = 0;
   bool partial_ = false;
 };

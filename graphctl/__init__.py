@@ -18,13 +18,25 @@ from graphctl.errors import (
                              SwitchError,
 )
 from graphctl.graphs import GraphRunner, Report, StaticInput, graphed
-from graphctl.state import BoundState, CopyInPlace, Pad, Recompute, Registry, Stable, StateSpec, Swap, bind, register
+from graphctl.state import (
+                             BoundState,
+                             CopyInPlace,
+                             OpCall,
+                             Pad,
+                             Recompute,
+                             Registry,
+                             Stable,
+                             StateSpec,
+                             Swap,
+                             bind,
+                             register,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "StateSpec", "register", "bind", "BoundState", "Registry",
-    "Swap", "CopyInPlace", "Recompute", "Stable", "Pad",
+    "Swap", "CopyInPlace", "Recompute", "OpCall", "Stable", "Pad",
     "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError", "ConcurrentUseError",
     "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
     "RepointError", "graphed", "GraphRunner", "StaticInput", "Report", "CaptureTarget",

@@ -25,7 +25,7 @@ import functools
 import torch
 
 from graphctl import ops
-from graphctl.state import CopyInPlace, Pad, Recompute, Stable, StateSpec, Swap
+from graphctl.state import CopyInPlace, OpCall, Pad, Recompute, Stable, StateSpec, Swap
 
 __all__ = [
     "KVCacheManager",
@@ -157,7 +157,9 @@ def paged_spec(name: str = "paged", *, block_size: int) -> StateSpec:
     spec.buffer("host_kv_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), host=True, mutable=True)
     spec.buffer("cu_seq_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(["seq_lens"], cumulative_lengths_))
     spec.buffer("cu_kv_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(["kv_lens"], cumulative_lengths_))
-    spec.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, derive=Recompute(["seq_lens"], token_map_))
+    # token_map_ as one op call: the native switch launches it from C++ (tokens past the batch -> len(seq_lens))
+    spec.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, derive=Recompute(
+        ["seq_lens"], OpCall("token_to_request_", ("out", "in0", "out.numel", "in0.numel"))))
     for name, shape, dtype in SCRATCH:
         spec.buffer(name, shape=shape, dtype=dtype, draft=Stable())
     spec.buffer("token_positions", shape=("T",), dtype=torch.int64, derive=Recompute(

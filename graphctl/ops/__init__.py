@@ -18,6 +18,7 @@ from graphctl.ops import reference
 from graphctl.ops._load import STATUS, ExtensionStatus
 
 __all__ = ["swap_through_", "copy_", "fingerprint", "token_to_request_", "loop_condition_", "switch_table", "all_bound",
+           "RECOMPUTE_OPS",
            "extension_status",
            "uses_extension", "reference"]
 
@@ -27,6 +28,7 @@ def extension_status() -> ExtensionStatus:
 
 
 _LOADED = STATUS.loaded
+RECOMPUTE_OPS = ("token_to_request_",)  # ops an OpCall may name (graphctl.state.spec): in place, fixed arguments
 _KNOBS = knobs._values  # a plain dict lookup: this runs twice per switch
 
 

@@ -4,8 +4,19 @@ Pure Python over torch and graphctl ops; it knows nothing of graphs."""
 from graphctl.state.bound import ROLES, BoundState, bind
 from graphctl.state.plan import PHASES, PhasePlan, Plan, compile_spec
 from graphctl.state.registry import Registry, default_registry, register
-from graphctl.state.spec import AXES, BufferDecl, CopyInPlace, ObjectDecl, Pad, Recompute, Stable, StateSpec, Swap
+from graphctl.state.spec import (
+           AXES,
+           BufferDecl,
+           CopyInPlace,
+           ObjectDecl,
+           OpCall,
+           Pad,
+           Recompute,
+           Stable,
+           StateSpec,
+           Swap,
+)
 
 __all__ = ["AXES", "PHASES", "ROLES", "BoundState", "BufferDecl", "CopyInPlace", "ObjectDecl", "Pad", "PhasePlan",
-           "Plan", "Recompute", "Registry", "Stable", "StateSpec", "Swap", "bind", "compile_spec",
+           "Plan", "Recompute", "OpCall", "Registry", "Stable", "StateSpec", "Swap", "bind", "compile_spec",
            "default_registry", "register"]

@@ -25,6 +25,7 @@ from typing import Any
 
 from graphctl import ops
 from graphctl.state import paths
+from graphctl.state.spec import OpCall
 from graphctl.state.steps import use_error
 from graphctl.state.transaction import Step, StepFailures
 from graphctl.state.validate import check_source
@@ -67,11 +68,15 @@ def native_step(st: Any, phase: str) -> Step | None:
     for name, _ in pp.swaps:
         puts.append((_target(obj, name), bound(name), st._tensors.get(name, st._objects.get(name))))
         puts += [(_target(obj, alias), tv, ov) for alias, ov, tv in st._aliases.get(name, ())]
-    recomputes = []
+    recomputes: list[tuple[Any, ...]] = []
     for n in pp.recompute:
         rc = st.plan.buffers[n].derive
+        if isinstance(rc.fn, OpCall):  # one op, launched from C++ with its arguments fixed here
+            recomputes.append(("op", "graphctl::" + rc.fn.op, "",
+                               rc.fn.bind(bound(n), tuple(bound(i) for i in rc.inputs))))
+            continue
         args = (f"the Recompute fn of '{n}'", rc.fn, bound(n), *(bound(i) for i in rc.inputs))
-        recomputes.append((st._call_user, args))
+        recomputes.append(("py", st._call_user, args))
     table = ops.switch_table(obj, groups, puts, recomputes)
     if table is None:
         return None

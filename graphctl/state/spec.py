@@ -18,7 +18,8 @@ import torch
 
 from graphctl.errors import DeclarationError
 
-__all__ = ["AXES", "Pad", "Swap", "CopyInPlace", "Recompute", "Stable", "BufferDecl", "ObjectDecl", "StateSpec"]
+__all__ = ["AXES", "Pad", "Swap", "CopyInPlace", "Recompute", "OpCall", "Stable", "BufferDecl", "ObjectDecl",
+           "StateSpec"]
 
 AXES = ("seq", "token", "step")
 DEFAULT_READERS = frozenset({"target", "draft"})
@@ -189,6 +190,13 @@ class Recompute:
         if len(set(inputs)) != len(inputs):
             raise DeclarationError("Recompute lists an input twice", expected="distinct names", found=inputs,
                                    fix="list each input once")
+        if isinstance(self.fn, OpCall):
+            used = self.fn.inputs_used()
+            if used and max(used) >= len(inputs):
+                raise DeclarationError("OpCall names an input the Recompute does not have", buffer=None,
+                                       expected=f"in0..in{len(inputs) - 1} (inputs {list(inputs)})",
+                                       found=f"in{max(used)}", fix="list the input in Recompute(inputs=...)")
+            return
         if not callable(self.fn):
             raise DeclarationError("Recompute fn must be callable", expected="fn(out, *inputs)",
                                    found=type(self.fn).__name__, fix="pass a function")
@@ -204,6 +212,63 @@ class Recompute:
                                    expected=f"fn(out, {', '.join(inputs)}): {1 + len(inputs)} positional arguments",
                                    found=f"{name}{sig}",
                                    fix="take the output buffer first, then one argument per input, in order") from None
+
+
+_PLACEHOLDER = re.compile(r"(out|in(\d+))(\.numel)?")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpCall:
+    """A ``Recompute`` fn that is one call of a graphctl op, so the native switch launches it from
+    C++ with no Python in between. ``op`` names the op (``"token_to_request_"``, see
+    ``graphctl.ops.RECOMPUTE_OPS``); in ``args``, ``"out"`` is the derived buffer, ``"in0"``,
+    ``"in1"``... the recompute's inputs in order, ``"out.numel"``/``"in0.numel"`` their element
+    counts (fixed at bind), anything else a constant (int, float, bool). Called from Python it runs
+    ``graphctl.ops.<op>`` (the Python steps, capture, traces; the reference without the extension)::
+
+        Recompute(["seq_lens"], OpCall("token_to_request_", ("out", "in0", "out.numel", -1)))
+    """
+
+    op: str
+    args: tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        from graphctl.ops import RECOMPUTE_OPS
+
+        if self.op not in RECOMPUTE_OPS:
+            raise DeclarationError("OpCall names no graphctl recompute op", expected=" / ".join(RECOMPUTE_OPS),
+                                   found=repr(self.op), fix="use one of those, or a plain Recompute fn")
+        object.__setattr__(self, "args", tuple(self.args))
+        for a in self.args:
+            ok = _PLACEHOLDER.fullmatch(a) if isinstance(a, str) else isinstance(a, (int, float, bool))
+            if not ok:
+                raise DeclarationError("OpCall argument is neither a placeholder nor a constant", buffer=None,
+                                       expected='"out", "in0", "out.numel", "in0.numel"... or an int, float or bool',
+                                       found=repr(a), fix="reach tensors through the Recompute's inputs")
+        if "out" not in self.args:
+            raise DeclarationError("OpCall never writes its output", expected='"out" among the arguments',
+                                   found=self.args, fix="pass the derived buffer as the op's output argument")
+
+    def inputs_used(self) -> list[int]:
+        return [int(m.group(2)) for a in self.args if isinstance(a, str) and (m := _PLACEHOLDER.fullmatch(a))
+                and m.group(2) is not None]
+
+    def bind(self, out: Any, inputs: tuple[Any, ...]) -> list[Any]:
+        """The op's arguments with the placeholders replaced."""
+        vals = []
+        for a in self.args:
+            m = _PLACEHOLDER.fullmatch(a) if isinstance(a, str) else None
+            if m is None:
+                vals.append(a)
+                continue
+            t = out if m.group(1) == "out" else inputs[int(m.group(2))]
+            vals.append(t.numel() if m.group(3) else t)
+        return vals
+
+    def __call__(self, out: Any, *inputs: Any) -> None:
+        from graphctl import ops
+
+        getattr(ops, self.op)(*self.bind(out, inputs))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

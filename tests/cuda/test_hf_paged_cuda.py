@@ -47,8 +47,9 @@ def test_graphed_decode_bf16_within_the_tolerance_policy(gen):
     compared = 0
     for p, tokens in zip(ps, got.tokens):
         with torch.no_grad():
-            out = ref.generate(p[None].cuda(), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
-                               output_logits=True, return_dict_in_generate=True)
+            ids = p[None].cuda()
+            out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                               pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         want = out.sequences[0, len(p):].tolist()
         for i, (a, b) in enumerate(zip(tokens.tolist(), want)):
             top2 = out.logits[i][0].float().topk(2).values

@@ -19,6 +19,7 @@ from graphctl import (
     CorruptedStateError,
     DeclarationError,
     NestedSwitchError,
+    OpCall,
     Pad,
     Recompute,
     Registry,
@@ -392,6 +393,14 @@ T = torch.zeros
 I32 = torch.int32
 CASES: list[Case] = [
     # ---- declaration errors (StateSpec / register)
+    Case(
+        "decl-opcall",
+        DeclarationError,
+        "declaration",
+        "an `OpCall` recompute naming an op graphctl cannot launch natively, an argument that is neither a "
+        "placeholder nor a constant, or an input the `Recompute` does not list",
+        lambda: OpCall("cumsum", ("out", "in0")),
+    ),
     Case(
         "decl-duplicate",
         DeclarationError,

@@ -26,6 +26,9 @@ def reference_model(eng: HFEngine, name: str):
     ref = transformers.AutoModelForCausalLM.from_config(hf_config(name), attn_implementation="eager",
                                                         dtype=eng.target_layers.dtype)
     ref.load_state_dict(eng.target_layers.state_dict())
+    # random prompts may contain the config's EOS id and the pad id: generate must neither stop at EOS (the
+    # engine runs to max_new_tokens unless told) nor mask prompt tokens equal to the pad id
+    ref.generation_config.eos_token_id = None
     return ref.to(eng.device).eval()
 
 
@@ -35,7 +38,9 @@ def reference(eng: HFEngine, name: str, ps, new: int) -> list[list[int]]:
     out = []
     for p in ps:
         with torch.no_grad():
-            g = ref.generate(p[None].to(eng.device), max_new_tokens=new, do_sample=False, pad_token_id=0)
+            ids = p[None].to(eng.device)
+            g = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                             pad_token_id=0)
         out.append(g[0, len(p):].tolist())
     return out
 

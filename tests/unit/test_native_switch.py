@@ -223,3 +223,61 @@ def test_a_state_held_by_its_own_object_is_collected(gen):
     del m, st
     gc.collect()
     assert ref() is None
+
+
+def _op_call_state(gen, fn):
+    spec = StateSpec("op-call")
+    spec.buffer("seq_lens", dtype=torch.int32, draft=CopyInPlace(source="draft_seq_lens"))
+    spec.buffer("offsets", dtype=torch.int32, draft=Swap(twin="draft_offsets"))
+    spec.buffer("draft_offsets", dtype=torch.int32)
+    spec.buffer("token_map", dtype=torch.int32, derive=Recompute(inputs=["seq_lens"], fn=fn))
+    meta = _Mapped(gen, "cpu")
+    return meta, bind(meta, registry=make_registry(_Mapped, spec))
+
+
+def test_an_op_call_recompute_runs_from_cpp_and_equals_its_python_twin(gen):
+    # Native switch: an OpCall recompute is launched by the table itself (no Python call); it must write what the
+    # same op called from Python writes, inside the switch, and be restored after.
+    def python_map(out, seq_lens):
+        ops.token_to_request_(out, seq_lens, out.numel(), -1)
+
+    got, seed = {}, int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    for label, fn in (("op", graphctl.OpCall("token_to_request_", ("out", "in0", "out.numel", -1))),
+                      ("py", python_map)):
+        meta, st = _op_call_state(torch.Generator().manual_seed(seed), fn)
+        before = meta.token_map.clone()
+        with st.switch("draft"):
+            got[label] = meta.token_map.clone()
+        assert torch.equal(meta.token_map, before)
+    assert torch.equal(got["op"], got["py"])
+    ref = torch.empty_like(got["py"])
+    ops.reference.token_to_request_(ref, _Mapped(torch.Generator().manual_seed(seed), "cpu").draft_seq_lens, 20, -1)
+    assert torch.equal(got["op"], ref)
+
+
+def test_an_op_call_is_launched_without_calling_python(gen, monkeypatch):
+    # Native switch: the point of OpCall is that no Python runs for it; a Python-level wrapper of the op must not
+    # be reached (the Python steps do reach it).
+    calls = []
+    real = ops.token_to_request_
+    monkeypatch.setattr(ops, "token_to_request_", lambda *a: (calls.append(1), real(*a)))
+    meta, st = _op_call_state(gen, graphctl.OpCall("token_to_request_", ("out", "in0", "out.numel", -1)))
+    calls.clear()
+    with st.switch("draft"):
+        pass
+    assert calls == [] and [s.name for s in st._steps("eager")] == ["native[eager]"]
+    with graphctl.knobs.scope(native_switch=False), st.switch("draft"):
+        pass
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("args,why", [
+    (("out", "in0", "out.numel", "later"), "neither a placeholder nor a constant"),
+    (("in0", 3), "never writes its output"),
+    (("out", "in1", 3, 0), "names an input the Recompute does not have"),
+])
+def test_bad_op_calls_are_refused_at_declaration(args, why):
+    with pytest.raises(graphctl.DeclarationError, match=why):
+        Recompute(inputs=["seq_lens"], fn=graphctl.OpCall("token_to_request_", args))
+    with pytest.raises(graphctl.DeclarationError, match="names no graphctl recompute op"):
+        graphctl.OpCall("cumsum", ("out", "in0"))
