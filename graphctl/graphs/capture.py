@@ -75,6 +75,17 @@ class Fixed:
                                    found=list(arguments), fix="declare inputs=('input_ids', ...)")
         slots = tuple(InputSlot(si, si.allocate(arguments[si.name], largest)) for si in inputs)
         names = {si.name for si in inputs}
+        pads = pad_axes if pad_axes is not None else {"seq": 1, "token": inputs[0].per_item}
+        for name, d in state.plan.buffers.items() if state is not None else ():
+            # a bucket's padded rows must exist in every padded state buffer (else the forward sees
+            # buffers shorter than its inputs, and fails somewhere inside with a shape error)
+            if d.axis in pads and state.tensor(name).shape[d.axis_dim] < largest * pads[d.axis]:
+                rows = state.tensor(name).shape[d.axis_dim]
+                raise DeclarationError("the largest bucket does not fit the bound state", buffer=name,
+                                       expected=f"at least {largest * pads[d.axis]} rows along '{d.axis}' "
+                                                f"(bucket {largest} x {pads[d.axis]})", found=f"{rows} rows",
+                                       fix=f"capture buckets up to {rows // pads[d.axis]}, or size the state "
+                                           f"(e.g. max_seqs) for {largest} items")
         n, lives = batch(inputs, arguments)
         for slot, live in zip(slots, lives):
             err = slot.spec.check(live, slot.static, n)
@@ -82,7 +93,7 @@ class Fixed:
                 raise err
         return cls(
             inputs=inputs, slots=slots, positions=tuple(sig.position[si.name] for si in inputs),
-            pad_axes=pad_axes if pad_axes is not None else {"seq": 1, "token": inputs[0].per_item},
+            pad_axes=pads,
             backend=select_backend(backend, slots[0].device),
             guard=Snapshot.of(state, BoundState.mutable_names),
             # the replay-time refreshes of draft twins; a spec without any needs no switch around replay

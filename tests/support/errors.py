@@ -917,6 +917,14 @@ CASES: list[Case] = [
             torch.rand(2, generator=G())
         ),
     ),
+    Case(
+        "graph-bucket-too-large",
+        DeclarationError,
+        "declaration",
+        "a bucket larger than the bound state's padded buffers (buckets up to 8, a state of 5 sequences)",
+        lambda: (lambda m, st: graphed(lambda x, meta: x * 2, buckets=[2, 8], state=st, backend="emulated",
+                                      progress=False)(torch.rand(2, 3, generator=G()), m))(*_mini()),
+    ),
     Case("graph-backend", CaptureError, "capture", "an unknown backend name", lambda: _runner(backend="tpu")),
     Case(
         "graph-backend-cuda",

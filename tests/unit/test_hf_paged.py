@@ -171,3 +171,14 @@ def test_bad_generate_input_is_a_clear_error_and_leaves_the_engine_usable(prompt
     assert eng.state.poisoned is None and eng.state.active_phase is None
     ps = _prompts(2, gen)
     assert [t.tolist() for t in eng.generate(ps, 4).tokens] == _reference(eng, "tiny-llama", ps, 4)
+
+
+def test_buckets_larger_than_the_engine_are_a_clear_error_before_anything_runs(gen):
+    # Regression (issue 18): graphed_step with buckets up to 8 on an engine of max_seqs 4 failed inside the model
+    # with "The size of tensor a (32) must match the size of tensor b (16)"; it must name the buffer and the fix.
+    eng = HFEngine.build(hf_config("tiny-llama"), draft_len=3, max_seqs=4, max_context=64, block_size=8,
+                         seed=_seed(gen))
+    step = graphed_step(eng, "unrolled", buckets=(1, 2, 4, 8), backend="emulated")
+    with pytest.raises(graphctl.DeclarationError, match="largest bucket does not fit") as info:
+        eng.generate(_prompts(3, gen), 6, forward=step)
+    assert "capture buckets up to 4" in str(info.value) and not step.captured
