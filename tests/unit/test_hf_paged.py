@@ -72,13 +72,13 @@ def test_graphed_decode_and_speculative_equal_transformers(bs, gen):
         assert sum(b.replays for b in step.report().buckets) == got.steps
 
 
-@pytest.mark.parametrize("mode", ["unrolled", "per_step"])
-@pytest.mark.parametrize("k", [1, 3, 7])
-def test_every_draft_accepted_with_the_oracle_draft(mode, k, gen):
+@pytest.mark.parametrize("name,mode,k", [("tiny-llama", m, k) for m in ("unrolled", "per_step") for k in (1, 3, 7)]
+                         + [("tiny-qwen3", "unrolled", 3), ("tiny-qwen2", "per_step", 3)])
+def test_every_draft_accepted_with_the_oracle_draft(name, mode, k, gen):
     # Issue 18 acceptance oracle: the target's own first layers as the draft accept k+1 tokens every step, at
     # every batch size (one set of graphs serves 1, 3 and 8).
     seed = _seed(gen)
-    eng = _engine("tiny-llama", k, seed)
+    eng = _engine(name, k, seed)
     step = graphed_step(eng, mode, buckets=(1, 4, 8), backend="emulated")
     for bs in (1, 3, 8):
         got = eng.generate(_prompts(bs, gen), 2 * (k + 1) + 1, forward=step)
