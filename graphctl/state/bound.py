@@ -135,7 +135,8 @@ class BoundState:
     # ---------------------------------------------------------------------- introspection
 
     @property
-    def poisoned(self) -> tuple[str, ...] | None:  # what could not be restored; None when healthy
+    def poisoned(self) -> tuple[str, ...] | None:
+        """What could not be restored, or None when the state is healthy."""
         return self._poisoned
 
     @property
@@ -156,11 +157,14 @@ class BoundState:
             out[n] = v.data_ptr() if isinstance(v, torch.Tensor) else None
         return out
 
-    def mutable_names(self) -> tuple[str, ...]:  # mutable buffers and their dependents: what warmups accumulate
+    def mutable_names(self) -> tuple[str, ...]:
+        """Buffers declared ``mutable`` and the derived buffers computed from them: what a
+        warmup or capture run may accumulate into."""
         mutable = [n for n in self.plan.buffers if n in self.plan.mutable]
         return tuple(mutable) + self.plan.closure(mutable)
 
-    def restorable_names(self) -> tuple[str, ...]:  # all but Stable scratch: what pad and a forward change
+    def restorable_names(self) -> tuple[str, ...]:
+        """Every buffer except ``Stable`` scratch: what ``pad`` and a forward may change."""
         return tuple(n for n, d in self.plan.buffers.items() if not d.stable)
 
     def snapshot_names(self, phase: str) -> tuple[str, ...]:
@@ -173,7 +177,8 @@ class BoundState:
         """graphctl's snapshot slots, ``"family:name"``: memory a captured switch reads and writes."""
         return {f"{fam}:{n}": t for (fam, n), t in self._arena.items()}
 
-    def tensor(self, name: str) -> torch.Tensor:  # the tensor bound to entry ``name`` at bind (twins too)
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor bound to entry ``name`` at bind time (twins are entries too)."""
         return self._tensors[name]
 
     # ------------------------------------------------------------------------ use checks
@@ -395,7 +400,8 @@ class BoundState:
         writes.pad(self, counts, ends)
 
     def check(self) -> None:
-        """Debug: ``StaleBufferError`` on the first derived buffer that differs from its recompute."""
+        """Debug: recompute every derived buffer into scratch and raise ``StaleBufferError``
+        on the first one that differs from the live buffer. Host sync; not for captures."""
         writes.check(self)
 
     def _fingerprints(self, phase: str) -> list[list[int]]:

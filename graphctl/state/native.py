@@ -40,12 +40,11 @@ def _target(obj: Any, name: str) -> Any:
     return functools.partial(paths.put, obj, name) if paths.is_path(name) else name
 
 
-def _getter(st: Any, source: Any) -> Any:
-    """How the table reads a copy source: an attribute name, or a call (a path; a callable
-    source, run as the user callable it is, once per switch)."""
-    if callable(source):
-        return functools.partial(st._call_user, "a CopyInPlace source", source, st.obj)
-    return functools.partial(paths.get, st.obj, source) if paths.is_path(source) else source
+def _getter(st: Any, act: Any) -> Any:
+    """How the table reads a copy source: a plain attribute name, or the state's own look-up (a
+    path; a callable source, run as the user callable it is, once per switch)."""
+    plain = isinstance(act.source, str) and not paths.is_path(act.source)
+    return act.source if plain else functools.partial(st._source, act)
 
 
 def native_step(st: Any, phase: str) -> Step | None:
@@ -55,7 +54,7 @@ def native_step(st: Any, phase: str) -> Step | None:
     obj, pp = st.obj, st.plan.phases[phase]
     groups, copy_names = [], []
     for g in st._groups[phase]:
-        copies = tuple((i, _getter(st, act.source), _UNCHECKED) for i, _, act in g.copies)
+        copies = tuple((i, _getter(st, act), _UNCHECKED) for i, _, act in g.copies)
         groups.append((f"snapshot[{g.device}]({', '.join(g.names)})", list(g.statics), list(g.arenas),
                        list(g.statics), copies))
         copy_names.append([name for _, name, _ in g.copies])

@@ -209,13 +209,14 @@ def expected_bindings(st: Any, phase: str | None) -> tuple[tuple[str, Any], ...]
             for n, _ in st._manifest)
     return exp
 
+
 def _split(st: Any, phase: str | None) -> tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]:
     """The expected bindings of ``phase`` as (plain names, paths): plain ones are checked in one C call."""
     out = st._expect_split.get(phase)
     if out is None:
         exp = expected_bindings(st, phase)
         out = st._expect_split[phase] = (tuple(p for p in exp if not paths.is_path(p[0])),
-                                 tuple(p for p in exp if paths.is_path(p[0])))
+                                         tuple(p for p in exp if paths.is_path(p[0])))
     return out
 
 

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 import graphctl  # noqa: E402
 from graphctl import StaticInput  # noqa: E402
 from graphctl.models import graphed_step  # noqa: E402
-from support.hf import engine, prompts, reference, reference_model, seed_of  # noqa: E402
+from support.hf import assert_oracle, engine, prompts, reference, reference_model, seed_of  # noqa: E402
 
 NEW = 12
 BF16_MARGIN = 2 ** -6  # a few bf16 ulps of the top logit
@@ -63,13 +63,7 @@ def test_graphed_decode_bf16_within_the_tolerance_policy(gen):
 @pytest.mark.parametrize("mode", ["unrolled", "per_step", "device_loop"])
 @pytest.mark.parametrize("k", [1, 3, 7])
 def test_oracle_acceptance_in_every_loop_mode_on_cuda(mode, k, gen):
-    seed = seed_of(gen)
-    eng = engine("tiny-llama", k, seed, device="cuda")
-    step = graphed_step(eng, mode, buckets=(1, 4, 8), backend="cuda")
-    for bs in (1, 3, 8):
-        got = eng.generate(prompts(bs, gen), 2 * (k + 1) + 1, forward=step)
-        for i, a in enumerate(got.accepted[1:], 1):
-            assert torch.equal(a, torch.full_like(a, k + 1)), (bs, i, a.tolist())
+    assert_oracle("tiny-llama", k, mode, gen, backend="cuda", device="cuda")
 
 
 def test_verify_and_audit_clean_on_cuda(gen):

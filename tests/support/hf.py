@@ -47,3 +47,16 @@ def reference(eng: HFEngine, name: str, ps, new: int) -> list[list[int]]:
 
 def seed_of(gen: torch.Generator) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+
+
+def assert_oracle(name: str, k: int, mode: str, gen: torch.Generator, *, backend: str, device: str = "cpu") -> None:
+    """The acceptance oracle: the target's own first layers as the draft accept k+1 tokens every step after the
+    first, at batch sizes 1, 3 and 8 (one set of graphs, buckets 1/4/8, serves all three)."""
+    from graphctl.models import graphed_step
+
+    eng = engine(name, k, seed_of(gen), device=device)
+    step = graphed_step(eng, mode, buckets=(1, 4, 8), backend=backend)
+    for bs in (1, 3, 8):
+        got = eng.generate(prompts(bs, gen), 2 * (k + 1) + 1, forward=step)
+        for i, a in enumerate(got.accepted[1:], 1):
+            assert torch.equal(a, torch.full_like(a, k + 1)), (bs, i, a.tolist())

@@ -17,36 +17,20 @@ transformers = pytest.importorskip("transformers")
 from graphctl.integrations.hf import HFEngine  # noqa: E402
 from graphctl.integrations.hf.configs import hf_config  # noqa: E402
 from graphctl.models import graphed_step  # noqa: E402
-from support.hf import engine, prompts, reference, seed_of  # noqa: E402
+from support import hf  # noqa: E402
 
 NEW = 10
-
-
-def _prompts(n, gen):
-    return prompts(n, gen)
-
-
-def _reference(eng, name, ps, new):
-    return reference(eng, name, ps, new)
-
-
-def _engine(name: str, k: int, seed: int, spec: StateSpec | None = None) -> HFEngine:
-    return engine(name, k, seed, spec=spec)
-
-
-def _seed(gen: torch.Generator) -> int:
-    return seed_of(gen)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen2"])
 @pytest.mark.parametrize("k", [0, 3])
 def test_tokens_equal_transformers_generate(name, k, gen):
     # Issue 18: graphctl's paged attention must reproduce transformers' own greedy tokens, ragged batch of 3.
-    seed = _seed(gen)
-    eng = _engine(name, k, seed)
-    prompts = _prompts(3, gen)
+    seed = hf.seed_of(gen)
+    eng = hf.engine(name, k, seed)
+    prompts = hf.prompts(3, gen)
     got = eng.generate(prompts, NEW)
-    assert [t.tolist() for t in got.tokens] == _reference(eng, name, prompts, NEW)
+    assert [t.tolist() for t in got.tokens] == hf.reference(eng, name, prompts, NEW)
     if k:
         assert all(torch.equal(a, torch.full_like(a, k + 1)) for a in got.accepted[1:]), got.accepted
 
@@ -55,13 +39,13 @@ def test_tokens_equal_transformers_generate(name, k, gen):
 def test_graphed_decode_and_speculative_equal_transformers(bs, gen):
     # Issue 18: the graphed steps (emulated recorder here, CUDA graphs under -m cuda) at bucket and non-bucket
     # batch sizes give transformers' tokens too.
-    seed = _seed(gen)
-    prompts = _prompts(bs, gen)
+    seed = hf.seed_of(gen)
+    prompts = hf.prompts(bs, gen)
     want = None
     for k in (0, 3):
-        eng = _engine("tiny-llama", k, seed)
+        eng = hf.engine("tiny-llama", k, seed)
         if want is None:
-            want = _reference(eng, "tiny-llama", prompts, NEW)
+            want = hf.reference(eng, "tiny-llama", prompts, NEW)
         if k == 0:
             step = graphctl.graphed(eng.decode_step, buckets=[1, 2, 4, 8], state=eng.state, backend="emulated",
                                     inputs=[StaticInput("input_ids")], progress=False, params=eng.named_tensors())
@@ -77,20 +61,14 @@ def test_graphed_decode_and_speculative_equal_transformers(bs, gen):
 def test_every_draft_accepted_with_the_oracle_draft(name, mode, k, gen):
     # Issue 18 acceptance oracle: the target's own first layers as the draft accept k+1 tokens every step, at
     # every batch size (one set of graphs serves 1, 3 and 8).
-    seed = _seed(gen)
-    eng = _engine(name, k, seed)
-    step = graphed_step(eng, mode, buckets=(1, 4, 8), backend="emulated")
-    for bs in (1, 3, 8):
-        got = eng.generate(_prompts(bs, gen), 2 * (k + 1) + 1, forward=step)
-        for i, a in enumerate(got.accepted[1:], 1):
-            assert torch.equal(a, torch.full_like(a, k + 1)), (bs, i, a.tolist())
+    hf.assert_oracle(name, k, mode, gen, backend="emulated")
 
 
 def test_verify_and_audit_clean_on_the_hf_step(gen):
     # Issue 18: eager vs replay on fresh token ids at every bucket (every cache write compared), and no audit
     # finding: the HF model's weights and both paged caches are known params, nothing dangling or unregistered.
-    seed = _seed(gen)
-    eng = _engine("tiny-qwen3", 3, seed)
+    seed = hf.seed_of(gen)
+    eng = hf.engine("tiny-qwen3", 3, seed)
     m, st = eng.meta, eng.state
     m.prepare(st, torch.full((5,), 4, dtype=torch.int32), torch.randint(4, 40, (5,), generator=gen, dtype=torch.int32))
     f = graphed_step(eng, "unrolled", buckets=(2, 4, 8), backend="emulated")
@@ -110,7 +88,7 @@ def _stale_engine(k: int, seed: int) -> HFEngine:
     spec.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, override=True,
                 derive=Recompute(["kv_cache_manager"], lambda out, _mgr: token_map_(out, holder["meta"].seq_lens)
                                  if "meta" in holder else out.zero_()))  # reads seq_lens behind graphctl's back
-    eng = _engine("tiny-llama", k, seed, spec=spec)
+    eng = hf.engine("tiny-llama", k, seed, spec=spec)
     holder["meta"] = eng.meta
     return eng
 
@@ -118,14 +96,14 @@ def _stale_engine(k: int, seed: int) -> HFEngine:
 def test_seeded_stale_map_is_caught_and_costs_acceptance_as_batch_grows(gen):
     # Issue 18 (TensorRT-LLM #16925 on real model code): a token map not recomputed after the k+1 -> 1 layout
     # write is caught by the debug check, and without it acceptance falls once several requests share a batch.
-    seed = _seed(gen)
+    seed = hf.seed_of(gen)
     eng = _stale_engine(3, seed)
     with graphctl.knobs.scope(check_stale=True), pytest.raises(StaleBufferError, match="req_idx_per_token"):
-        eng.generate(_prompts(8, gen), 9)
+        eng.generate(hf.prompts(8, gen), 9)
     by_bs = {}
     for bs in (1, 8):
         eng = _stale_engine(3, seed)
-        got = eng.generate(_prompts(bs, torch.Generator().manual_seed(seed)), 9)
+        got = eng.generate(hf.prompts(bs, torch.Generator().manual_seed(seed)), 9)
         by_bs[bs] = float(torch.cat(got.accepted[1:]).float().mean())
     assert by_bs[1] == 4.0, by_bs  # one request: every token maps to request 0, the bug hides
     assert by_bs[8] < 4.0, by_bs
@@ -133,9 +111,9 @@ def test_seeded_stale_map_is_caught_and_costs_acceptance_as_batch_grows(gen):
 
 def test_eos_and_max_length_per_request(gen):
     # Issue 18 generate loop: a request that emits EOS stops there (EOS kept), the others run to max_new_tokens.
-    seed = _seed(gen)
-    eng = _engine("tiny-llama", 3, seed)
-    prompts = _prompts(3, gen)
+    seed = hf.seed_of(gen)
+    eng = hf.engine("tiny-llama", 3, seed)
+    prompts = hf.prompts(3, gen)
     free = eng.generate(prompts, NEW)
     eos = int(free.tokens[1][4])  # request 1's fifth token
     got = eng.generate(prompts, NEW, eos_token_id=eos)
@@ -165,20 +143,20 @@ def test_models_without_paged_attention_are_refused():
 ])
 def test_bad_generate_input_is_a_clear_error_and_leaves_the_engine_usable(prompts, max_new, err, why, gen):
     # Issue 18: what a user passes by mistake gets a typed error naming it, before anything runs.
-    eng = _engine("tiny-llama", 3, _seed(gen))
+    eng = hf.engine("tiny-llama", 3, hf.seed_of(gen))
     with pytest.raises(err, match=why):
         eng.generate(prompts, max_new)
     assert eng.state.poisoned is None and eng.state.active_phase is None
-    ps = _prompts(2, gen)
-    assert [t.tolist() for t in eng.generate(ps, 4).tokens] == _reference(eng, "tiny-llama", ps, 4)
+    ps = hf.prompts(2, gen)
+    assert [t.tolist() for t in eng.generate(ps, 4).tokens] == hf.reference(eng, "tiny-llama", ps, 4)
 
 
 def test_buckets_larger_than_the_engine_are_a_clear_error_before_anything_runs(gen):
     # Regression (issue 18): graphed_step with buckets up to 8 on an engine of max_seqs 4 failed inside the model
     # with "The size of tensor a (32) must match the size of tensor b (16)"; it must name the buffer and the fix.
     eng = HFEngine.build(hf_config("tiny-llama"), draft_len=3, max_seqs=4, max_context=64, block_size=8,
-                         seed=_seed(gen))
+                         seed=hf.seed_of(gen))
     step = graphed_step(eng, "unrolled", buckets=(1, 2, 4, 8), backend="emulated")
     with pytest.raises(graphctl.DeclarationError, match="largest bucket does not fit") as info:
-        eng.generate(_prompts(3, gen), 6, forward=step)
+        eng.generate(hf.prompts(3, gen), 6, forward=step)
     assert "capture buckets up to 4" in str(info.value) and not step.captured

@@ -57,7 +57,7 @@ class PagedBatch:
         req = meta.req_idx_per_token[:tokens].long()
         live = req < rows
         r = req.clamp(max=rows - 1)
-        offset = torch.arange(tokens, device=req.device) - meta.cu_seq_lens[r]
+        offset = meta.token_index[:tokens] - meta.cu_seq_lens[r]  # token_index: the family's constant 0..T-1
         index = torch.where(live, r * q + offset.clamp(0, q - 1), rows * q)
         pos = meta.token_positions[:tokens].clamp(min=0)  # a padded request's -1: key 0 stays visible
         qpos = torch.zeros(rows * q + 1, dtype=pos.dtype, device=pos.device).index_copy_(0, index, pos)
