@@ -42,30 +42,32 @@ from graphctl.models import graphed_step
 
 
 def _sync() -> float:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter()
 
 
-def _hf_models(eng: HFEngine, name: str):
+def _hf_models(eng: HFEngine, name: str, device: str):
     """transformers' own models with the engine's weights: target (sdpa) and its 2-layer draft."""
     from transformers import AutoModelForCausalLM
 
-    cfg = hf_config(name)
-    target = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16)
+    dtype = eng.target_layers.dtype
+    with torch.device(device):
+        target = AutoModelForCausalLM.from_config(hf_config(name), attn_implementation="sdpa", dtype=dtype)
+        dcfg = hf_config(name)
+        dcfg.num_hidden_layers = 2
+        draft = AutoModelForCausalLM.from_config(dcfg, attn_implementation="sdpa", dtype=dtype)
     target.load_state_dict(eng.target_layers.state_dict())
-    dcfg = hf_config(name)
-    dcfg.num_hidden_layers = 2
-    draft = AutoModelForCausalLM.from_config(dcfg, attn_implementation="sdpa", dtype=torch.bfloat16)
     draft.load_state_dict(eng.draft_layers.state_dict())
-    return target.cuda().eval(), draft.cuda().eval()
+    return target.eval(), draft.eval()
 
 
-def _hf_decode_tps(fn, bs: int, new: int) -> float:
+def _hf_decode_tps(fn, bs: int, new: int, reps: int) -> float:
     """Decode tokens/s of a transformers generate call ``fn(max_new_tokens)``: a run of ``new``
-    tokens minus a run of 1 (the prefill), median of 3."""
+    tokens minus a run of 1 (the prefill), median of ``reps``."""
     fn(2)
     samples = []
-    for _ in range(3):
+    for _ in range(reps):
         t0 = _sync()
         fn(1)
         t1 = _sync()
@@ -75,17 +77,14 @@ def _hf_decode_tps(fn, bs: int, new: int) -> float:
     return bs * (new - 1) / statistics.median(samples)
 
 
-def _graphctl_tps(eng: HFEngine, ps, new: int, forward) -> tuple[float, float, float]:
-    """(decode tokens/s, median ms a step, mean accepted) of ``eng.generate`` through ``forward``."""
+def _graphctl_tps(eng: HFEngine, ps, new: int, forward, reps: int) -> tuple[float, float, float]:
+    """(decode tokens/s, ms a step, mean accepted) of ``eng.generate`` through ``forward``, from
+    its own decode timing (prefill excluded), median of ``reps`` runs."""
     eng.generate(ps, min(new, 8), forward=forward)  # capture and warm up
-    t0 = _sync()
-    eng.prefill(ps)
-    t1 = _sync()
-    res = eng.generate(ps, new, forward=forward)
-    t2 = _sync()
-    decode = (t2 - t1) - (t1 - t0)  # generate's own prefill is the same work
-    toks = sum(len(t) for t in res.tokens) - len(ps)
-    return toks / decode, 1e3 * decode / max(res.steps, 1), res.mean_accepted
+    runs = [eng.generate(ps, new, forward=forward) for _ in range(reps)]
+    res = sorted(runs, key=lambda r: r.decode_s)[len(runs) // 2]
+    toks = sum(len(t) for t in res.tokens) - len(ps)  # the prefill's first token is not decode's
+    return toks / res.decode_s, 1e3 * res.decode_s / max(res.steps, 1), res.mean_accepted
 
 
 def _hand_step(eng: HFEngine, n: int):
@@ -113,16 +112,16 @@ def _hand_step(eng: HFEngine, n: int):
     return replay
 
 
-def _step_ms(fn, ids, meta, reps: int = 30) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
+def _step_ms(fns: dict, reps: int = 30) -> dict[str, float]:
+    """Median ms of one call of each of ``fns`` (name -> zero-argument callable), timed round
+    robin so that drift of the host or clocks reaches every variant alike."""
+    ts: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
-        start.record()
-        fn(ids, meta) if meta is not None else fn(ids)
-        end.record()
-        end.synchronize()
-        ts.append(start.elapsed_time(end))
-    return statistics.median(ts)
+        for name, fn in fns.items():
+            t0 = _sync()
+            fn()
+            ts[name].append(1e3 * (_sync() - t0))
+    return {k: statistics.median(v) for k, v in ts.items()}
 
 
 _KINDS = (("switch", ("swap_copy", "token_to_request", "loop_condition")),
@@ -137,8 +136,9 @@ def breakdown(eng: HFEngine, ids: torch.Tensor) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     eng.step(ids, eng.meta)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
+    _sync()
+    with profile(activities=acts) as prof:
         t0 = _sync()
         eng.step(ids, eng.meta)
         t1 = _sync()
@@ -156,80 +156,113 @@ def breakdown(eng: HFEngine, ids: torch.Tensor) -> dict[str, float]:
     return out
 
 
-def run(sizes, prompt: int, new: int, name: str) -> list[dict]:
-    rows = []
+def _row(rows: list[dict], row: dict, path: str | None, head: dict) -> None:
+    """Print a finished row and rewrite the JSON, so a run cut short keeps what it measured."""
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump({"hardware": head, "rows": rows}, f, indent=2)
+
+
+def run(args, head: dict) -> list[dict]:
+    dev, cuda = args.device, args.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rows: list[dict] = []
     g = torch.Generator().manual_seed(0)
-    for bs in sizes:
-        ps = [torch.randint(0, 32000, (prompt,), generator=g) for _ in range(bs)]
-        ctx = prompt + new + 2 * 8 + 2
+    ctx = args.prompt + args.new + 2 * 8 + 2
+    base = HFEngine.build(hf_config(args.config), draft_len=0, max_seqs=1, max_context=ctx, device=dev,
+                          dtype=dtype, seed=0)
+    target, draft = base.target_layers, base.draft_layers  # one set of weights for every engine
+    tgt, drf = _hf_models(base, args.config, dev)
+    eager_forward = tgt.forward
+    vocab = target.config.vocab_size
+    for bs in args.sizes:
+        ps = [torch.randint(0, vocab, (args.prompt,), generator=g) for _ in range(bs)]
         row: dict = {"bs": bs}
-        for k in (0, 3, 7):
-            eng = HFEngine.build(hf_config(name), draft_len=k, max_seqs=bs, max_context=ctx, block_size=16,
-                                 device="cuda", dtype=torch.bfloat16, seed=0)
-            buckets = sorted({1, bs})
+        rows.append(row)
+        buckets = sorted({1, bs})
+        for k in (0, *args.k):
+            eng = HFEngine(target, draft, draft_len=k, max_seqs=bs, max_context=ctx, block_size=16)
             if k == 0:
                 fwd = graphctl.graphed(eng.decode_step, buckets=buckets, state=eng.state, inputs=[StaticInput(
                     "input_ids")], progress=False, params=eng.named_tensors())
-                row["d_graphctl_decode_tps"], row["d_ms_per_step"], _ = _graphctl_tps(eng, ps, new, fwd)
-                tgt, drf = _hf_models(eng, name)
-                batch = torch.stack(ps).cuda()
-
-                def hf(n_new, model=tgt, **kw):
-                    with torch.no_grad():
-                        model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=n_new,
-                                       min_new_tokens=n_new, do_sample=False, pad_token_id=0, **kw)
-
-                row["a_hf_eager_tps"] = _hf_decode_tps(hf, bs, new)
-                if bs == 1:
-                    try:
-                        row["b_hf_assisted_tps"] = _hf_decode_tps(lambda n: hf(n, assistant_model=drf), bs, new)
-                    except Exception as exc:  # recorded, not hidden
-                        row["b_hf_assisted_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                try:
-                    tgt.forward = torch.compile(tgt.forward, mode="reduce-overhead")
-                    row["c_hf_static_compiled_tps"] = _hf_decode_tps(
-                        lambda n: hf(n, cache_implementation="static"), bs, new)
-                except Exception as exc:
-                    row["c_hf_static_compiled_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                del tgt, drf
-            else:
-                fwd = graphed_step(eng, "unrolled", buckets=buckets)
-                tps, ms, acc = _graphctl_tps(eng, ps, new, fwd)
-                row[f"e{k}_graphctl_spec_tps"], row[f"e{k}_ms_per_step"], row[f"e{k}_mean_accepted"] = tps, ms, acc
-                ids = torch.randint(0, 32000, (bs * (k + 1),), generator=g).cuda()
-                eng.meta.prepare(eng.state, torch.full((bs,), k + 1, dtype=torch.int32),
-                                 torch.full((bs,), prompt + k + 1, dtype=torch.int32))
-                row[f"e{k}_graphctl_step_ms"] = _step_ms(fwd, ids, eng.meta)
-                row[f"e{k}_breakdown_us"] = breakdown(eng, ids)
+                row["d_graphctl_decode_tps"], row["d_ms_per_step"], _ = _graphctl_tps(eng, ps, args.new, fwd,
+                                                                                      args.reps)
+                continue
+            fwd = graphed_step(eng, "unrolled", buckets=buckets)
+            tps, ms, acc = _graphctl_tps(eng, ps, args.new, fwd, args.reps)
+            row[f"e{k}_graphctl_spec_tps"], row[f"e{k}_ms_per_step"], row[f"e{k}_mean_accepted"] = tps, ms, acc
+            ids = torch.randint(0, vocab, (bs * (k + 1),), generator=g).to(dev)
+            eng.meta.prepare(eng.state, torch.full((bs,), k + 1, dtype=torch.int32),
+                             torch.full((bs,), args.prompt + k + 1, dtype=torch.int32))
+            fns = {"graphctl": lambda: fwd(ids, eng.meta)}
+            if cuda:
                 hand = _hand_step(eng, bs)
-                row[f"f{k}_hand_step_ms"] = _step_ms(hand, ids, None)
-                row[f"e{k}_over_hand"] = row[f"e{k}_graphctl_step_ms"] / row[f"f{k}_hand_step_ms"]
-            del eng
-            torch.cuda.empty_cache()
-        rows.append(row)
+                fns["hand"] = lambda: hand(ids)
+            ms_by = _step_ms(fns)
+            row[f"e{k}_graphctl_step_ms"] = ms_by["graphctl"]
+            if cuda:
+                row[f"f{k}_hand_step_ms"] = ms_by["hand"]
+                row[f"e{k}_over_hand"] = ms_by["graphctl"] / ms_by["hand"]
+            row[f"e{k}_breakdown_us"] = breakdown(eng, ids)
+            del eng, fwd, fns
+            if cuda:
+                torch.cuda.empty_cache()
+        batch = torch.stack(ps).to(dev)
+
+        def hf(n_new, **kw):
+            with torch.no_grad():
+                tgt.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=n_new,
+                             min_new_tokens=n_new, do_sample=False, pad_token_id=0, **kw)
+
+        tgt.forward = eager_forward
+        row["a_hf_eager_tps"] = _hf_decode_tps(hf, bs, args.new, args.reps)
+        if bs == 1:
+            try:
+                row["b_hf_assisted_tps"] = _hf_decode_tps(lambda n: hf(n, assistant_model=drf), bs, args.new,
+                                                          args.reps)
+            except Exception as exc:  # recorded, not hidden
+                row["b_hf_assisted_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        if cuda:
+            try:
+                tgt.forward = torch.compile(eager_forward, mode="reduce-overhead")
+                t0 = time.perf_counter()
+                hf(2, cache_implementation="static")
+                row["c_compile_s"] = time.perf_counter() - t0
+                row["c_hf_static_compiled_tps"] = _hf_decode_tps(
+                    lambda n: hf(n, cache_implementation="static"), bs, args.new, args.reps)
+            except Exception as exc:
+                row["c_hf_static_compiled_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            tgt.forward = eager_forward
+        for key, over in (("d_over_c", ("d_graphctl_decode_tps", "c_hf_static_compiled_tps")),
+                          *((f"e{k}_over_b", (f"e{k}_graphctl_spec_tps", "b_hf_assisted_tps")) for k in args.k)):
+            if over[0] in row and over[1] in row:
+                row[key] = row[over[0]] / row[over[1]]
+        _row(rows, row, args.json, head)
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--k", type=int, nargs="+", default=[3, 7], help="draft lengths of (e)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5, help="repeats of each tokens/s reading (median)")
     ap.add_argument("--config", default="llama-1b")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: a smoke run of every path but (c) and (f), which need CUDA graphs")
     ap.add_argument("--json")
     args = ap.parse_args()
-    p = torch.cuda.get_device_properties(0)
     import transformers
 
-    head = {"gpu": p.name, "torch": torch.__version__, "transformers": transformers.__version__,
-            "config": args.config, "prompt": args.prompt, "new": args.new}
-    rows = run(args.sizes, args.prompt, args.new, args.config)
-    print(json.dumps(head))
-    for r in rows:
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"hardware": head, "rows": rows}, f, indent=2)
+    torch._dynamo.config.cache_size_limit = 64  # (c) recompiles per batch size and cache shape
+    gpu = torch.cuda.get_device_properties(0).name if args.device == "cuda" else "cpu"
+    head = {"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
+            "config": args.config, "prompt": args.prompt, "new": args.new, "reps": args.reps,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    print(json.dumps(head), flush=True)
+    run(args, head)
 
 
 if __name__ == "__main__":

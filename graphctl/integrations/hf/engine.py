@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,6 +63,8 @@ class GenerateResult:
     tokens: list[torch.Tensor]  # per request: the generated tokens (EOS included when hit)
     accepted: list[torch.Tensor]  # per step: accepted length of each request (1..k+1), on the host
     steps: int
+    prefill_s: float = 0.0  # wall seconds of the prefill, device work included (synchronized)
+    decode_s: float = 0.0  # wall seconds of the decode/speculative steps, device work included
 
     @property
     def mean_accepted(self) -> float:
@@ -114,8 +117,9 @@ class HFEngine(MTPEngine):
 
         register()
         torch.manual_seed(seed)
-        target = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, dtype=dtype)
-        target = target.to(device).eval()
+        with torch.device(device):  # weights made where they run: a 1B model's init on the host takes seconds
+            target = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION, dtype=dtype)
+        target = target.eval()
         return cls(target, oracle_draft(target, draft_layers), **kw)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
@@ -203,7 +207,9 @@ class HFEngine(MTPEngine):
         if need > self.cfg.max_context:
             raise ValueError(f"max_context={self.cfg.max_context} too small: prompts up to {int(context.max())} "
                              f"tokens + {max_new_tokens} new + {2 * k + 2} of speculation need {need}")
+        t0 = self._clock()
         token = self.prefill(prompts)
+        t1 = self._clock()
         out_tokens: list[list[int]] = [[int(t)] for t in token.tolist()]
         done = [eos_token_id is not None and t[0] == eos_token_id for t in out_tokens]
         drafts = token[:, None].repeat(1, k)
@@ -236,7 +242,14 @@ class HFEngine(MTPEngine):
                         done[r] = eos_token_id is not None and t == eos_token_id
             if bar is not None:
                 bar(min(len(t) for t in out_tokens))
-        return GenerateResult([torch.tensor(t) for t in out_tokens], history, len(history))
+        t2 = self._clock()
+        return GenerateResult([torch.tensor(t) for t in out_tokens], history, len(history), t1 - t0, t2 - t1)
+
+    def _clock(self) -> float:
+        """Wall time once the device has finished what was queued (per-step latency for users)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
 
 def _progress(on: bool, total: int) -> Callable[[int], None] | None:
