@@ -165,6 +165,35 @@ def _row(rows: list[dict], row: dict, path: str | None, head: dict) -> None:
             json.dump({"hardware": head, "rows": rows}, f, indent=2)
 
 
+def _graphctl_variant(row: dict, eng: HFEngine, ps, buckets, args, g: torch.Generator) -> None:
+    """(d) for ``draft_len`` 0, else (e) and (f) with the breakdown, into ``row``."""
+    k, bs, cuda = eng.k, len(ps), args.device == "cuda"
+    if args.compile:  # compile every shape of the buckets eagerly, before graphctl captures
+        for warm in (ps, ps[:1]):
+            eng.generate(warm, 2)
+    if k == 0:
+        fwd = graphctl.graphed(eng.decode_step, buckets=buckets, state=eng.state, inputs=[StaticInput(
+            "input_ids")], progress=False, params=eng.named_tensors())
+        row["d_graphctl_decode_tps"], row["d_ms_per_step"], _ = _graphctl_tps(eng, ps, args.new, fwd, args.reps)
+        return
+    fwd = graphed_step(eng, "unrolled", buckets=buckets)
+    tps, ms, acc = _graphctl_tps(eng, ps, args.new, fwd, args.reps)
+    row[f"e{k}_graphctl_spec_tps"], row[f"e{k}_ms_per_step"], row[f"e{k}_mean_accepted"] = tps, ms, acc
+    ids = torch.randint(0, eng.cfg.vocab, (bs * (k + 1),), generator=g).to(eng.device)
+    eng.meta.prepare(eng.state, torch.full((bs,), k + 1, dtype=torch.int32),
+                     torch.full((bs,), args.prompt + k + 1, dtype=torch.int32))
+    fns = {"graphctl": lambda: fwd(ids, eng.meta)}
+    if cuda:
+        hand = _hand_step(eng, bs)
+        fns["hand"] = lambda: hand(ids)
+    ms_by = _step_ms(fns)
+    row[f"e{k}_graphctl_step_ms"] = ms_by["graphctl"]
+    if cuda:
+        row[f"f{k}_hand_step_ms"] = ms_by["hand"]
+        row[f"e{k}_over_hand"] = ms_by["graphctl"] / ms_by["hand"]
+    row[f"e{k}_breakdown_us"] = breakdown(eng, ids)
+
+
 def run(args, head: dict) -> list[dict]:
     dev, cuda = args.device, args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -175,6 +204,9 @@ def run(args, head: dict) -> list[dict]:
                           dtype=dtype, seed=0)
     target, draft = base.target_layers, base.draft_layers  # one set of weights for every engine
     tgt, drf = _hf_models(base, args.config, dev)
+    if args.compile:  # inductor-fused kernels inside graphctl's graphs (no cudagraphs of its own)
+        for m in (target, draft):
+            m.forward = torch.compile(m.forward, dynamic=False)
     vocab = target.config.vocab_size
     for bs in args.sizes:
         ps = [torch.randint(0, vocab, (args.prompt,), generator=g) for _ in range(bs)]
@@ -183,29 +215,11 @@ def run(args, head: dict) -> list[dict]:
         buckets = sorted({1, bs})
         for k in (0, *args.k) if "graphctl" in args.paths else ():
             eng = HFEngine(target, draft, draft_len=k, max_seqs=bs, max_context=ctx, block_size=16)
-            if k == 0:
-                fwd = graphctl.graphed(eng.decode_step, buckets=buckets, state=eng.state, inputs=[StaticInput(
-                    "input_ids")], progress=False, params=eng.named_tensors())
-                row["d_graphctl_decode_tps"], row["d_ms_per_step"], _ = _graphctl_tps(eng, ps, args.new, fwd,
-                                                                                      args.reps)
-                continue
-            fwd = graphed_step(eng, "unrolled", buckets=buckets)
-            tps, ms, acc = _graphctl_tps(eng, ps, args.new, fwd, args.reps)
-            row[f"e{k}_graphctl_spec_tps"], row[f"e{k}_ms_per_step"], row[f"e{k}_mean_accepted"] = tps, ms, acc
-            ids = torch.randint(0, vocab, (bs * (k + 1),), generator=g).to(dev)
-            eng.meta.prepare(eng.state, torch.full((bs,), k + 1, dtype=torch.int32),
-                             torch.full((bs,), args.prompt + k + 1, dtype=torch.int32))
-            fns = {"graphctl": lambda: fwd(ids, eng.meta)}
-            if cuda:
-                hand = _hand_step(eng, bs)
-                fns["hand"] = lambda: hand(ids)
-            ms_by = _step_ms(fns)
-            row[f"e{k}_graphctl_step_ms"] = ms_by["graphctl"]
-            if cuda:
-                row[f"f{k}_hand_step_ms"] = ms_by["hand"]
-                row[f"e{k}_over_hand"] = ms_by["graphctl"] / ms_by["hand"]
-            row[f"e{k}_breakdown_us"] = breakdown(eng, ids)
-            del eng, fwd, fns
+            try:
+                _graphctl_variant(row, eng, ps, buckets, args, g)
+            except Exception as exc:  # recorded, not hidden (a compiled model under capture, say)
+                row[f"k{k}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            del eng
             if cuda:
                 torch.cuda.empty_cache()
         batch = torch.stack(ps).to(dev)
@@ -259,6 +273,8 @@ def main() -> None:
                     help="cpu: a smoke run of every path but (c) and (f), which need CUDA graphs")
     ap.add_argument("--paths", nargs="+", default=["graphctl", "a", "b", "c"], choices=["graphctl", "a", "b", "c"],
                     help="which to run: graphctl's (d, e, f), transformers' eager (a), assisted (b), compiled (c)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile (inductor, no cudagraphs) both models before graphctl captures them")
     ap.add_argument("--json")
     args = ap.parse_args()
     import transformers
@@ -266,7 +282,7 @@ def main() -> None:
     torch._dynamo.config.cache_size_limit = 64  # (c) recompiles per batch size and cache shape
     gpu = torch.cuda.get_device_properties(0).name if args.device == "cuda" else "cpu"
     head = {"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
-            "config": args.config, "prompt": args.prompt, "new": args.new, "reps": args.reps,
+            "config": args.config, "prompt": args.prompt, "new": args.new, "reps": args.reps, "compile": args.compile,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(json.dumps(head), flush=True)
     run(args, head)
