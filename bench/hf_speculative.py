@@ -131,29 +131,38 @@ _KINDS = (("switch", ("swap_copy", "token_to_request", "loop_condition")),
           ("gather/scatter", ("index", "gather", "scatter")))
 
 
-def breakdown(eng: HFEngine, ids: torch.Tensor) -> dict[str, float]:
-    """Where one eager step's device time goes (µs by kernel kind; the graph runs the same
-    kernels) next to its host time: the profiler over one step, after a warmup."""
+def breakdown(step, eager, calls: int = 3) -> dict:
+    """Where one step's device time goes: the graphed ``step()`` under the profiler (the graph's
+    kernels are reported one by one), µs a call by kernel kind, the ten costliest kernels, and
+    the wall time of one ``eager()`` step for comparison (the same kernels, launched from Python)."""
     from torch.profiler import ProfilerActivity, profile
 
-    eng.step(ids, eng.meta)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
-    _sync()
+    step()
+    eager()
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = _sync()
+    eager()
+    eager_wall = _sync() - t0
     with profile(activities=acts) as prof:
-        t0 = _sync()
-        eng.step(ids, eng.meta)
-        t1 = _sync()
-    out = {k: 0.0 for k, _ in _KINDS}
+        for _ in range(calls):
+            step()
+        _sync()
+    out: dict = {k: 0.0 for k, _ in _KINDS}
     out["other"] = 0.0
+    by_name = []
     for ev in prof.key_averages():
-        dev = ev.self_device_time_total
+        dev = ev.self_device_time_total / calls
         if dev <= 0:
             continue
         name = ev.key.lower()
         kind = next((k for k, words in _KINDS if any(w in name for w in words)), "other")
         out[kind] += dev
+        by_name.append((dev, ev.count // calls, ev.key[:90]))
     out["device_total"] = sum(out.values())
-    out["eager_wall"] = (t1 - t0) * 1e6
+    out["kernels_per_step"] = sum(c for _, c, _ in by_name)
+    out["eager_wall"] = eager_wall * 1e6
+    out["top"] = [f"{dev:.0f} us x{c}: {name}" for dev, c, name in sorted(by_name, reverse=True)[:10]]
     return out
 
 
@@ -191,7 +200,12 @@ def _graphctl_variant(row: dict, eng: HFEngine, ps, buckets, args, g: torch.Gene
     if cuda:
         row[f"f{k}_hand_step_ms"] = ms_by["hand"]
         row[f"e{k}_over_hand"] = ms_by["graphctl"] / ms_by["hand"]
-    row[f"e{k}_breakdown_us"] = breakdown(eng, ids)
+    row[f"e{k}_breakdown_us"] = breakdown(lambda: fwd(ids, eng.meta), lambda: eng.step(ids, eng.meta))
+    if args.compile:
+        from torch._dynamo.utils import counters
+
+        row["compile_unique_graphs"] = counters["stats"].get("unique_graphs", 0)
+        row["compile_graph_breaks"] = sum(counters["graph_break"].values())
 
 
 def run(args, head: dict) -> list[dict]:
