@@ -15,16 +15,20 @@ head) proposes exactly what it would choose: every draft is accepted at full cos
   (d) graphctl graphed decode (``HFEngine`` with ``draft_len`` 0, ``@graphed`` buckets);
   (e) graphctl speculative decode, ``draft_len`` 3 and 7, ``graphed_step(mode="unrolled")``;
   (f) the step of (e) captured by hand with ``torch.cuda.graph`` (same host work: the ids copy,
-      ``prepare``, the draft-table refresh), for graphctl's own overhead.
+      the draft-table refresh), timed round robin with (e), for graphctl's own overhead.
 
-Where the time goes: one eager step of (e) under the profiler, device time by kernel kind
-(switch, attention, GEMMs, gathers, other) next to the eager step's wall time (the graph runs
-the same kernels without the host's launches). Decode tokens/s excludes prefill
+Where the time goes: the graphed step of (e) under the profiler (a graph's kernels are reported
+one by one), device time by kernel kind (switch, attention, GEMMs, gathers, other), kernels a
+step and the ten costliest, next to the eager step's wall time. ``--compile`` compiles both
+models (inductor, no cudagraphs) before graphctl captures them. ``--device cpu`` is a smoke run
+of every path but (c) and (f) (use a ``tiny-*`` config). Decode tokens/s excludes prefill
 (graphctl: ``generate``'s own decode timing; transformers: a run of ``--new`` tokens minus a run
 of 1), median of ``--reps`` runs.
 Targets: (d) >= (c); (e, oracle) >= 3 x (b) at bs 1; (e) per step <= 1.05 x (f).
 
-    python bench/hf_speculative.py [--sizes 1 8 32] [--prompt 128] [--new 256] [--json out.json]
+    python bench/hf_speculative.py [--sizes 1 8 32] [--k 3 7] [--prompt 128] [--new 256] [--reps 5]
+        [--paths graphctl a b c] [--compile] [--json out.json]
+    python bench/hf_speculative.py --device cpu --config tiny-llama --sizes 2 --prompt 8 --new 6 --reps 1
 """
 from __future__ import annotations
 

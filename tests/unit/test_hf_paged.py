@@ -122,6 +122,18 @@ def test_eos_and_max_length_per_request(gen):
         assert b.tolist() == a.tolist()[:cut], r
 
 
+def test_generate_reports_prefill_and_decode_time(gen):
+    # Issue 18 generate loop: per-step latency for users (the benchmark reads it): both phases timed, apart.
+    import time
+
+    eng = hf.engine("tiny-llama", 3, hf.seed_of(gen))
+    t0 = time.perf_counter()
+    res = eng.generate(hf.prompts(2, gen), NEW)
+    wall = time.perf_counter() - t0
+    assert res.prefill_s > 0 and res.decode_s > 0 and res.steps > 0
+    assert res.prefill_s + res.decode_s <= wall
+
+
 def test_models_without_paged_attention_are_refused():
     # Issue 18: an HF model built with another attention would read no paged cache; refused with the fix.
     cfg = hf_config("tiny-llama")
