@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphctl import bindings
 from graphctl.errors import CaptureError
 from graphctl.graphs.backends.cuda_nodes import graph_nodes, register_bodies
+from graphctl.state.interrupts import drop_mode
 from graphctl.state.phase import is_recording
 
 __all__ = ["DeviceLoop"]
@@ -156,8 +157,9 @@ class DeviceLoop:
                "cudaStreamBeginCaptureToGraph")
         idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
         ok = False
+        guard = _BodyGuard()
         try:
-            with torch.cuda.stream(self._stream), _BodyGuard():
+            with torch.cuda.stream(self._stream), guard:
                 begin(idx, self._pool)
                 try:
                     yield int(handle)
@@ -165,6 +167,7 @@ class DeviceLoop:
                     end(idx, self._pool)
             ok = True
         finally:
+            drop_mode(guard)  # an interrupt at the with-statement's exit skips its __exit__
             r = rt.cudaStreamEndCapture(s)
             if ok:
                 _check(r, "cudaStreamEndCapture (loop body)", "the loop body holds something a conditional body "

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import CaptureError, DeclarationError
 from graphctl.graphs.frames import user_frame
+from graphctl.state.interrupts import drop_mode
 
 __all__ = ["Ledger", "PaddingHazard", "SideEffect", "Unreached", "WriteTracker", "reachable", "roots_of",
            "storage_bytes", "storage_key", "POLICIES"]
@@ -311,6 +312,7 @@ class Ledger:
             with tracker:
                 run()
         finally:
+            drop_mode(tracker)  # an interrupt at the with-statement's exit skips its __exit__
             sync()
             tracker.undo()  # the caller's state as it was, whatever happened
             sync()

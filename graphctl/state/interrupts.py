@@ -23,7 +23,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["deferred", "DEFERRED_SIGNALS"]
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+__all__ = ["deferred", "drop_mode", "DEFERRED_SIGNALS"]
 
 # SIGINT is what Ctrl-C sends; SIGTERM only matters where a program installed a raising handler.
 DEFERRED_SIGNALS = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None))
@@ -108,3 +110,13 @@ class deferred:
         deferred._depth -= 1
         self._active = False
         self._restore()
+
+
+def drop_mode(mode: Any) -> None:
+    """Pop the dispatch ``mode`` if it is still the innermost one. A with-statement's exit runs a
+    few bytecodes before it calls ``__exit__``: an interrupt delivered there skips the call, and a
+    mode left on the stack would see (record, refuse) every later op of the thread. Call this in
+    a ``finally`` around the with-statement; it does nothing when ``__exit__`` ran."""
+    stack = _get_current_dispatch_mode_stack()
+    if stack and stack[-1] is mode:
+        mode.__exit__(None, None, None)

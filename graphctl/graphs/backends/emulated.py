@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 from graphctl.errors import CaptureError
 from graphctl.graphs.analysis.nodes import Node, Ref, Region
 from graphctl.graphs.frames import GRAPHCTL_DIR, user_frame
-from graphctl.state.interrupts import deferred
+from graphctl.state.interrupts import deferred, drop_mode
 from graphctl.state.phase import recording
 
 __all__ = ["EmulatedBackend", "EmulatedGraph"]
@@ -260,31 +260,45 @@ class _LooksLikeCapture:
     _lock = threading.Lock()
     _threads: dict[int, int] = {}  # thread id -> recording depth
     _saved: list[tuple[Any, str, Any]] = []
+    _held = False  # this instance entered and has not left
 
-    def __enter__(self) -> None:
-        me = threading.get_ident()
-        with self._lock:
-            if not self._threads:
-                original = torch.cuda.is_current_stream_capturing
+    def __enter__(self) -> _LooksLikeCapture:
+        # held interrupts: a Ctrl-C at the exit of ``with self._lock`` would leave the lock taken
+        # (every later recording deadlocks) and this thread answering "capturing" for good
+        with deferred():
+            me = threading.get_ident()
+            with self._lock:
+                if not self._threads:
+                    original = torch.cuda.is_current_stream_capturing
 
-                def is_current_stream_capturing() -> bool:
-                    return threading.get_ident() in _LooksLikeCapture._threads or original()
+                    def is_current_stream_capturing() -> bool:
+                        return threading.get_ident() in _LooksLikeCapture._threads or original()
 
-                for owner in (torch.cuda, torch.cuda.graphs):
-                    self._saved.append((owner, "is_current_stream_capturing", owner.is_current_stream_capturing))
-                    owner.is_current_stream_capturing = is_current_stream_capturing
-            self._threads[me] = self._threads.get(me, 0) + 1
+                    for owner in (torch.cuda, torch.cuda.graphs):
+                        self._saved.append((owner, "is_current_stream_capturing", owner.is_current_stream_capturing))
+                        owner.is_current_stream_capturing = is_current_stream_capturing
+                self._threads[me] = self._threads.get(me, 0) + 1
+                self._held = True
+        return self
 
     def __exit__(self, *exc: object) -> None:
-        me = threading.get_ident()
-        with self._lock:
-            depth = self._threads.pop(me) - 1
-            if depth:
-                self._threads[me] = depth
-            if not self._threads:
-                while self._saved:
-                    owner, name, fn = self._saved.pop()
-                    setattr(owner, name, fn)
+        with deferred():
+            if not self._held:  # already left (see ``leave``)
+                return
+            me = threading.get_ident()
+            with self._lock:
+                self._held = False
+                depth = self._threads.pop(me) - 1
+                if depth:
+                    self._threads[me] = depth
+                if not self._threads:
+                    while self._saved:
+                        owner, name, fn = self._saved.pop()
+                        setattr(owner, name, fn)
+
+    def leave(self) -> None:
+        """``__exit__`` if it has not run: an interrupt at the with-statement's exit skips it."""
+        self.__exit__(None, None, None)
 
 
 class EmulatedBackend:
@@ -295,7 +309,7 @@ class EmulatedBackend:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        with _Recorder():  # the first dispatch mode entered in a process pays torch's lazy set-up; not a capture
+        with deferred(), _Recorder():  # the first dispatch mode entered in a process pays torch's lazy set-up
             torch.zeros(1).add_(1)
 
     def new_pool(self) -> None:
@@ -309,10 +323,14 @@ class EmulatedBackend:
 
     def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int) -> tuple[EmulatedGraph, Any]:
         """Record ``body(mark)``, where ``mark()`` is the number of ops recorded so far."""
-        rec = _Recorder()
+        rec, looks = _Recorder(), _LooksLikeCapture()
         try:
-            with recording(), _LooksLikeCapture(), rec:
-                out = body(lambda: len(rec.ops))
+            try:
+                with recording(), looks, rec:
+                    out = body(lambda: len(rec.ops))
+            finally:  # an interrupt at the with-statement's exit skips the innermost __exit__ calls
+                drop_mode(rec)
+                looks.leave()
         except CaptureError as exc:
             exc.add_note(f"graphctl: capture of bucket {bucket} dropped; nothing replayable was kept")
             raise
