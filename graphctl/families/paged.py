@@ -208,5 +208,5 @@ class PagedMetadata:
         n = seq_lens.numel()
         self.host_seq_lens[:n].copy_(seq_lens)
         self.host_kv_lens[:n].copy_(kv_lens)
-        state.write("seq_lens", seq_lens.to(self.seq_lens.device, torch.int32))
-        state.write("kv_lens", kv_lens.to(self.kv_lens.device, torch.int32))
+        state.write_many({"seq_lens": seq_lens.to(self.seq_lens.device, torch.int32),  # maps recomputed once
+                          "kv_lens": kv_lens.to(self.kv_lens.device, torch.int32)})

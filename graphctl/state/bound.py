@@ -394,6 +394,16 @@ class BoundState:
         autograd history into the static buffer."""
         (traced_write if torch.compiler.is_compiling() else writes.write)(self, name, value)
 
+    def write_many(self, values: Mapping[str, torch.Tensor]) -> None:
+        """:meth:`write` of several buffers as one: all checked first, one all-or-nothing
+        section, and every derived buffer of any of them recomputed once (two lengths written
+        one by one recompute their shared maps twice)."""
+        if torch.compiler.is_compiling():
+            for name, value in values.items():
+                traced_write(self, name, value)
+        else:
+            writes.write_many(self, values)
+
     def pad(self, counts: Mapping[str, int], ends: Mapping[str, int] | None = None) -> None:
         """Each buffer's padding policy on ``[counts[axis]:ends[axis] or extent]`` along its axis,
         then the dependents of what was padded recomputed. All or nothing, like :meth:`write`."""

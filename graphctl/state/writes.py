@@ -18,7 +18,7 @@ from graphctl.state import paths
 from graphctl.state.interrupts import deferred
 from graphctl.state.spec import BufferDecl
 
-__all__ = ["write", "pad", "check"]
+__all__ = ["write", "write_many", "pad", "check"]
 
 
 def write_group(st, names: tuple[str, ...]) -> tuple[list[tuple[list, list]], tuple[str, ...]]:
@@ -79,43 +79,60 @@ def sharing(st, name: str) -> tuple[str, ...]:
 
 def write(st, name: str, value: torch.Tensor) -> None:
     """See ``BoundState.write``."""
+    write_many(st, {name: value})
+
+
+def write_many(st, values: Mapping[str, torch.Tensor]) -> None:
+    """See ``BoundState.write_many``: every value checked, then one held section, one undo copy,
+    the writes, and each derived buffer of any of them recomputed once, in dependency order."""
     st._begin_use("write()")
-    d = st.plan.buffers.get(name)
-    if d is None:
-        kind = "an object entry" if name in st.plan.objects else "not declared"
-        raise SwitchError("write() target is not a declared buffer", buffer=name, expected="a buffer entry",
-                          found=kind, fix="declare it with spec.buffer(...); objects are rebound with Swap")
-    if d.derive is not None:
-        raise SwitchError("write() to a derived buffer", buffer=name, expected="a write to one of its inputs",
-                          found=f"Recompute(inputs={list(d.derive.inputs)})",
-                          fix="write its inputs; graphctl recomputes it from them")
+    if not isinstance(values, Mapping) or not values:
+        raise SwitchError("write_many() needs a non-empty mapping", buffer=None,
+                          expected="{buffer name: tensor, ...}", found=type(values).__name__,
+                          fix="pass a dict, e.g. state.write_many({'seq_lens': a, 'kv_lens': b})")
     sw = st._active
     if sw is not None and st._owner != threading.get_ident():
         raise st._busy("write()")
-    if sw is not None and name not in st.plan.mutable:
-        raise SwitchError("write() inside a switch to a buffer not declared mutable", buffer=name,
-                          expected="mutable=True", found="mutable=False",
-                          fix="declare mutable=True so the switch snapshots and restores it")
-    if sw is not None and sw.phase == "refresh":
-        raise SwitchError(
-            "write() inside a refresh switch",
-            buffer=name,
-            expected="no writes (nothing is snapshotted for them)",
-            found="a write",
-            fix="write before the replay, or use phase='replay'",
-        )
+    items = []
+    for name, value in values.items():
+        d = st.plan.buffers.get(name)
+        if d is None:
+            kind = "an object entry" if name in st.plan.objects else "not declared"
+            raise SwitchError("write() target is not a declared buffer", buffer=name, expected="a buffer entry",
+                              found=kind, fix="declare it with spec.buffer(...); objects are rebound with Swap")
+        if d.derive is not None:
+            raise SwitchError("write() to a derived buffer", buffer=name, expected="a write to one of its inputs",
+                              found=f"Recompute(inputs={list(d.derive.inputs)})",
+                              fix="write its inputs; graphctl recomputes it from them")
+        if sw is not None and name not in st.plan.mutable:
+            raise SwitchError("write() inside a switch to a buffer not declared mutable", buffer=name,
+                              expected="mutable=True", found="mutable=False",
+                              fix="declare mutable=True so the switch snapshots and restores it")
+        if sw is not None and sw.phase == "refresh":
+            raise SwitchError("write() inside a refresh switch", buffer=name,
+                              expected="no writes (nothing is snapshotted for them)", found="a write",
+                              fix="write before the replay, or use phase='replay'")
+        items.append((name, d, value))
     st._check_bindings()  # every input a recompute reads must still be the bound tensor
-    target = st._expected(sw.phase if sw is not None else None)[st._index[name]][1]
-    check_value(st, name, d, target, value)
-    deps = st.plan.closure(sharing(st, name))
-    with all_or_nothing(st, f"write('{name}')", (name,) + deps), torch.no_grad():
-        ax = d.axis_dim if d.axis is not None else 0
-        n = value.shape[ax] if value.dim() else 1
-        if d.axis is not None and n < target.shape[ax]:
-            target.narrow(ax, 0, n).copy_(value)
-            d.pad.apply(target.narrow(ax, n, target.shape[ax] - n), target.narrow(ax, n - 1, 1) if n else None, ax)
-        else:
-            target.copy_(value)
+    expected = st._expected(sw.phase if sw is not None else None)
+    targets = []
+    for name, d, value in items:
+        target = expected[st._index[name]][1]
+        check_value(st, name, d, target, value)
+        targets.append(target)
+    names = tuple(values)
+    deps = st.plan.closure(tuple(dict.fromkeys(x for n in names for x in sharing(st, n))))
+    what = f"write('{names[0]}')" if len(names) == 1 else f"write_many({', '.join(names)})"
+    with all_or_nothing(st, what, names + deps), torch.no_grad():
+        for (_, d, value), target in zip(items, targets):
+            ax = d.axis_dim if d.axis is not None else 0
+            n = value.shape[ax] if value.dim() else 1
+            if d.axis is not None and n < target.shape[ax]:
+                target.narrow(ax, 0, n).copy_(value)
+                d.pad.apply(target.narrow(ax, n, target.shape[ax] - n), target.narrow(ax, n - 1, 1) if n else None,
+                            ax)
+            else:
+                target.copy_(value)
         for dep in deps:
             st._recompute(dep)
 

@@ -50,6 +50,10 @@ def _sweep_setup(op_kind: str, phase: str = "eager"):
         elif op_kind == "write":
             def op():
                 st.write("kv_lens", torch.arange(1, 4, dtype=torch.int32))
+        elif op_kind == "write_many":
+            def op():
+                st.write_many({"seq_lens": torch.ones(5, dtype=torch.int32),
+                               "kv_lens": torch.arange(1, 4, dtype=torch.int32)})
         else:
             def op():
                 st.pad({"seq": 2})
@@ -59,7 +63,8 @@ def _sweep_setup(op_kind: str, phase: str = "eager"):
 
 @pytest.mark.parametrize("kind,phase,native", [("switch", "eager", True), ("switch", "eager", False),
                                                ("switch", "replay", True), ("switch", "replay", False),
-                                               ("write", None, True), ("pad", None, True)])
+                                               ("write", None, True), ("write_many", None, True),
+                                               ("pad", None, True)])
 def test_ctrl_c_at_every_line_is_never_silent_never_stuck(kind, phase, native):
     # Issue 14.1: a KeyboardInterrupt between bytecodes (e.g. after swap_through_ returned, before the switch
     # recorded it) left draft contents unpoisoned (28 of 229 points) or the switch stuck active (3 points).

@@ -842,6 +842,13 @@ CASES: list[Case] = [
         "write() inside a switch to a buffer not declared mutable",
         lambda: _write_inside("spec_positions", lambda m: m.spec_positions.clone()),
     ),
+    Case(
+        "use-write-many",
+        SwitchError,
+        "use",
+        "write_many() of something other than a non-empty dict",
+        lambda: _mini()[1].write_many([("seq_lens", T(5, dtype=I32))]),
+    ),
     Case("use-rebound", SwitchError, "use", "a buffer attribute reallocated after bind()", _rebound),
     Case("use-source", SwitchError, "use", "a callable CopyInPlace source returning the wrong shape", _bad_source),
     Case(

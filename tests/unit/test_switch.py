@@ -192,3 +192,84 @@ def test_snapshot_sizes_per_phase(state):
     assert "topk_scratch" not in state.snapshot_names("eager")  # Stable is never snapshotted
     # refresh snapshots only the refreshed twins; every other phase every restorable buffer
     assert state.snapshot_bytes("refresh") < state.snapshot_bytes("capture") == state.snapshot_bytes("eager")
+
+
+def test_write_many_equals_writes_one_by_one_and_recomputes_once(gen):
+    # Session 5: HF generate's prepare wrote two lengths one by one, recomputing their shared maps twice.
+    from graphctl import Recompute, StateSpec
+    from support.mini import make_spec, token_map
+
+    calls = {"slots": 0}
+
+    def counted_slots(out, offsets, kv_lens):
+        calls["slots"] += 1
+        slots(out, offsets, kv_lens)
+
+    spec = StateSpec("mini-count", extends=make_spec())
+    spec.buffer("slot_mapping", shape=("S",), dtype=torch.int64, override=True,
+                derive=Recompute(inputs=["block_offsets", "kv_lens"], fn=counted_slots))
+    S = 5
+    seq = torch.randint(0, 4, (S,), generator=gen, dtype=torch.int32)
+    kv = torch.randint(1, 99, (S - 2,), generator=gen, dtype=torch.int32)
+    offs = torch.randint(0, 50, (S, 3), generator=gen, dtype=torch.int32)
+    seed = int(torch.randint(0, 999, (1,), generator=gen))
+    a, b = MiniMetadata(torch.Generator().manual_seed(seed)), MiniMetadata(torch.Generator().manual_seed(seed))
+    sa, sb = bind(a, registry=make_registry(spec=spec)), bind(b, registry=make_registry(spec=spec))
+    for m in (a, b):
+        m.req_idx_per_token.fill_(-7)  # poison: a missed recompute cannot pass
+        m.slot_mapping.fill_(-7)
+    sa.write("seq_lens", seq)
+    sa.write("kv_lens", kv)
+    sa.write("block_offsets", offs)
+    calls["slots"] = 0
+    sb.write_many({"seq_lens": seq, "kv_lens": kv, "block_offsets": offs})
+    assert calls["slots"] == 1
+    for name in ("seq_lens", "kv_lens", "block_offsets", "req_idx_per_token", "slot_mapping"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    want = torch.empty_like(b.req_idx_per_token)
+    token_map(want, b.seq_lens)
+    assert torch.equal(b.req_idx_per_token, want)
+    sb.check()
+
+
+@pytest.mark.parametrize("values,err", [
+    (lambda m: {"seq_lens": torch.ones(5, dtype=torch.int32), "kv_lens": torch.ones(5, dtype=torch.int64)},
+     "another dtype"),
+    (lambda m: {"seq_lens": torch.ones(5, dtype=torch.int32), "slot_mapping": torch.ones(5, dtype=torch.int64)},
+     "derived buffer"),
+    (lambda m: {"seq_lens": torch.ones(5, dtype=torch.int32), "nope": torch.ones(5)}, "not a declared buffer"),
+    (lambda m: {}, "non-empty mapping"),
+    (lambda m: [("seq_lens", torch.ones(5, dtype=torch.int32))], "non-empty mapping"),
+])
+def test_write_many_checks_every_value_before_writing_any(meta, state, values, err):
+    # Session 5: write_many is all or nothing: one bad value (last in the dict) and nothing was written.
+    before = snap(meta)
+    with pytest.raises(graphctl.SwitchError, match=err):
+        state.write_many(values(meta))
+    assert_same(meta, before)
+    assert state.poisoned is None
+
+
+def test_write_many_whose_recompute_raises_rolls_every_buffer_back(gen):
+    # Session 5: a recompute failing after both values landed must roll back both, not only the last.
+    from graphctl import Recompute, StateSpec
+    from support.mini import make_spec
+
+    calls = {"n": 0}
+
+    def late(out, offsets, kv_lens):
+        calls["n"] += 1
+        if calls["n"] > 1:  # bind's own recompute passes; the write's fails
+            raise RuntimeError("slots failed")
+        slots(out, offsets, kv_lens)
+
+    spec = StateSpec("mini-late", extends=make_spec())
+    spec.buffer("slot_mapping", shape=("S",), dtype=torch.int64, override=True,
+                derive=Recompute(inputs=["block_offsets", "kv_lens"], fn=late))
+    m = MiniMetadata(gen)
+    st = bind(m, registry=make_registry(spec=spec))
+    before = snap(m)
+    with pytest.raises(RuntimeError, match="slots failed"):
+        st.write_many({"seq_lens": torch.ones(5, dtype=torch.int32), "kv_lens": torch.full((5,), 3, dtype=torch.int32)})
+    assert_same(m, before)
+    assert st.poisoned is None
