@@ -225,10 +225,11 @@ class HFEngine(MTPEngine):
                 ids = torch.cat([token[:, None], drafts], 1).reshape(-1)
                 m.prepare(self.state, torch.full((n,), k + 1, dtype=torch.int32), context + k + 1)
                 out = (forward or self.step)(ids, m)
-                accepted = out.accepted.to("cpu", copy=True)
                 token, drafts = out.bonus.clone(), out.drafts.clone()
-                seen = torch.cat([ids.view(n, k + 1)[:, 1:].cpu(), token.cpu()[:, None]], 1)
-                new = seen  # request r emits seen[r, :a-1] and the bonus token
+                # one copy to the host (one sync) a step: accepted lengths, this step's drafts, the bonus token
+                host = torch.cat([out.accepted[:, None].to(ids.dtype), ids.view(n, k + 1)[:, 1:], token[:, None]],
+                                 1).cpu()
+                accepted, new = host[:, 0].clone(), host[:, 1:]  # request r emits new[r, :a-1] and the bonus
             history.append(accepted)
             context = context + accepted.to(torch.int32)
             for r in range(n):
