@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from types import CodeType
 from typing import Any
 
 import torch
@@ -55,11 +56,14 @@ class SweepReport:
 
 
 class _Tracer:
-    def __init__(self, files: Sequence[str], fire_at: int | None) -> None:
+    def __init__(self, files: Sequence[str | CodeType], fire_at: int | None) -> None:
         self.files, self.fire_at, self.count, self.where = tuple(files), fire_at, 0, ""
 
+    def _watched(self, code: CodeType) -> bool:
+        return any(code is f if isinstance(f, CodeType) else f in code.co_filename for f in self.files)
+
     def __call__(self, frame: Any, event: str, arg: Any) -> Any:
-        if event == "call" and any(f in frame.f_code.co_filename for f in self.files):
+        if event == "call" and self._watched(frame.f_code):
             return self._line
         return None
 
@@ -74,8 +78,10 @@ class _Tracer:
         return self._line
 
 
-def call_interrupted(op: Callable[[], Any], at: int, files: Sequence[str] = _STATE_FILES) -> tuple[Any, str]:
-    """Run ``op`` with Ctrl-C delivered at the ``at``-th line executed in ``files``: returns
+def call_interrupted(op: Callable[[], Any], at: int,
+                     files: Sequence[str | CodeType] = _STATE_FILES) -> tuple[Any, str]:
+    """Run ``op`` with Ctrl-C delivered at the ``at``-th line executed in ``files`` (path parts, or
+    code objects: one function's own lines, e.g. ``Ledger.track.__code__``): returns
     ``(what op returned, or the exception it raised, and where the interrupt was delivered)``;
     ``where`` is empty when ``op`` ran fewer lines."""
     tracer = _Tracer(files, at)

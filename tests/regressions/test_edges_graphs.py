@@ -344,36 +344,6 @@ def _modes_left() -> str:
     return ", ".join(left)
 
 
-def _interrupted_in(op, code, at: int) -> tuple[object, str]:
-    """Run ``op`` with Ctrl-C raised at the ``at``-th line executed in ``code`` (one code object:
-    a sweep of a function that runs once per call, not of every op the tracker sees)."""
-    import sys
-
-    where = []
-
-    def line(frame, event, arg):
-        if event == "line":
-            line.count += 1
-            if line.count == at:
-                where.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno}")
-                raise KeyboardInterrupt
-        return line
-
-    line.count = 0
-
-    def tracer(frame, event, arg):
-        return line if frame.f_code is code else None
-
-    sys.settrace(tracer)
-    try:
-        out = op()
-    except BaseException as exc:  # noqa: BLE001 - handed back
-        out = exc
-    finally:
-        sys.settrace(None)
-    return out, where[0] if where else ""
-
-
 @pytest.mark.parametrize("where", ["backend", "tracker"])
 def test_ctrl_c_at_any_line_of_a_capture_leaves_no_dispatch_mode_or_capture_flag_behind(gen, where):
     # Session 5 flaky CI test: a Ctrl-C at the exit of `with recording(), _LooksLikeCapture(), rec:` (or of the
@@ -394,7 +364,7 @@ def test_ctrl_c_at_any_line_of_a_capture_leaves_no_dispatch_mode_or_capture_flag
         def run(at):
             meta, st, r = _lens_runner(torch.Generator().manual_seed(5), buckets=(4,))
             x = torch.randn(4, 3, generator=torch.Generator().manual_seed(6))
-            return _interrupted_in(lambda: r.capture_all(x, meta), Ledger.track.__code__, at)
+            return call_interrupted(lambda: r.capture_all(x, meta), at, (Ledger.track.__code__,))
     points = 0
     for at in range(1, 2000):
         out, line = run(at)
