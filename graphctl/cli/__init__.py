@@ -90,9 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--verify", action="store_true",
                    help="run eager and replay on fresh random inputs per bucket, outputs and padding poisoned; "
                         "a mismatch makes the exit code 1 (e.g. graphctl capture --verify)")
-    c.add_argument("--audit", action="store_true",
+    c.add_argument("--audit", nargs="?", const="report", choices=("report", "confirm"), default=None,
                    help="pointer and segment audit of every graph (docs/debugging.md); an error makes the exit "
-                        "code 1 (e.g. graphctl capture --audit)")
+                        "code 1, a possible finding (a struct word pointing into freed memory) does not; "
+                        "--audit=confirm replays each graph with every such block poisoned and turns each possible "
+                        "finding into an error or drops it (e.g. graphctl capture --audit=confirm)")
     c.add_argument("--json", metavar="FILE", help="write the report, verify, audit and coverage as JSON "
                    "(schema graphctl.capture/1), e.g. --json report.json")
     c.add_argument("--dot", metavar="DIR", help="write one Graphviz DOT file per bucket into DIR "

@@ -95,6 +95,7 @@ def _table(report, verify: dict[int, list], audits: dict[int, Any], per_item: in
         v = "-" if vs is None else ("ok" if all(r.ok for r in vs) else "[red]MISMATCH")
         a = audits.get(b.bucket)
         au = "-" if a is None else (f"[red]{len(a.errors)} err[/] {len(a.warnings)} warn" if a.errors else
+                                    f"[yellow]{len(a.possible)} possible[/]" if a.possible else
                                     "clean" if not a.warnings else f"{len(a.warnings)} warn")
         t.add_row(str(b.bucket), str(b.bucket * per_item), f"{b.capture_ms:.1f}", f"{b.pool_bytes / 2**20:.2f}",
                   str(b.nodes), _num(b.replay_us), _num(b.eager_us), speed, v, au)
@@ -231,7 +232,7 @@ def run_capture(args) -> int:
     if args.verify:
         for r in runner.verify(gen=torch.Generator().manual_seed(args.seed)):
             verify.setdefault(r.bucket, []).append(r)
-    audits = runner.audit() if args.audit else {}
+    audits = runner.audit(confirm=args.audit == "confirm") if args.audit else {}
     served = runner.coverage(range(1, max_batch + 1))
     rows = coverage_rows(served, target.per_item)
     report = runner.report()
@@ -263,7 +264,17 @@ def run_capture(args) -> int:
     for a in audits.values():
         for f in a.findings:
             line = escape(f"audit: bucket {a.bucket}: {f}")
-            con.print(f"[red]{line}" if f.severity == "error" else line)
+            con.print({"error": f"[red]{line}", "possible": f"[yellow]{line}"}.get(f.severity, line))
+        for f in a.dropped:
+            con.print(escape(f"audit: bucket {a.bucket}: dropped {f}"))
+    possible = sum(len(a.possible) for a in audits.values())
+    if possible:
+        con.print(f"[yellow]audit: {possible} possible findings: words inside struct parameters that point into freed "
+                  "memory, not errors; --audit=confirm settles each by replaying with the block poisoned")
+    if args.audit == "confirm":
+        dropped = sum(len(a.dropped) for a in audits.values())
+        confirmed = sum(1 for a in audits.values() for f in a.errors if f.evidence.startswith("confirmed"))
+        con.print(f"audit confirm: {confirmed} confirmed, {dropped} dropped, {possible} undecided")
     unserved = [n for n, how in served.items() if not how.startswith("bucket")]
     rc = 0
     if any(not r.ok for rs in verify.values() for r in rs) or any(a.errors for a in audits.values()):

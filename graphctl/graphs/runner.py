@@ -40,6 +40,7 @@ import torch
 from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs import measure as _measure
 from graphctl.graphs.analysis.audit import Audit, audit_graph, param_tensors
+from graphctl.graphs.analysis.confirm import confirm as _confirm
 from graphctl.graphs.analysis.nodes import Node, Region, census
 from graphctl.graphs.analysis.report import BucketReport, Report, Segment
 from graphctl.graphs.analysis.verify import VerifyResult
@@ -229,8 +230,7 @@ class GraphRunner:
         """Re-point every graph at ``state``, bound again after buffers moved (``graphs/repoint.py``)."""
         return repoint(self, state)
 
-    def pad_state(self, n: int) -> None:
-        """Pad the bound state to ``n`` items: rows past ``n`` by policy, as a caller's prepare does."""
+    def pad_state(self, n: int) -> None:  # rows past n by policy, as a caller's prepare does
         if self.state is not None:
             self.state.pad({a: n * m for a, m in self._captured_or_raise("pad_state").pad_axes.items()})
 
@@ -397,16 +397,27 @@ class GraphRunner:
         self._captured_or_raise("verify()")
         return _verify(self, **options)
 
-    def audit(self, params: Any = None) -> dict[int, Audit]:
+    def audit(self, params: Any = None, confirm: bool = False) -> dict[int, Audit]:
         """Per bucket, the pointer and segment audits (``graphs/analysis/audit.py``). ``params``: the
         model tensors the forward reads (an ``nn.Module``, a name -> tensor mapping or an
-        iterable); default the runner's ``params=``, or the module a decorated method is bound to."""
+        iterable); default the runner's ``params=``, or the module a decorated method is bound to.
+        ``confirm``: settle each *possible* dangling finding by replaying with its freed block
+        poisoned (``graphs/analysis/confirm.py``): confirmed ones become errors, harmless ones move
+        to ``Audit.dropped``; the caller's state is put back."""
         owner = self.fn.__self__ if inspect.ismethod(self.fn) else None  # a decorated module's method
         model = param_tensors(params if params is not None else self.params if self.params is not None
                               else owner if isinstance(owner, torch.nn.Module) else None)
-        return {b: audit_graph(self.graph(b), b, known=self.known_tensors(b), segments=self.segments(b),
-                               workspaces=self.workspaces, plan=self.state.plan if self.state is not None else None,
-                               params=model) for b in self.captured}
+        guard = self.guard_all() if confirm else None  # allocated before the freed blocks are listed
+        out = {b: audit_graph(self.graph(b), b, known=self.known_tensors(b), segments=self.segments(b),
+                              workspaces=self.workspaces, plan=self.state.plan if self.state is not None else None,
+                              params=model) for b in self.captured}
+        if guard is None:
+            return out
+        be = self._fixed.backend
+        with guard:
+            return {b: _confirm(a, self.graph(b), replay=lambda: self._replay(self._graphs[b]), sync=be.synchronize,
+                                observed=lambda: self.outputs(b) + [t for *_, t in self.written(b)],
+                                restore=guard.restore) for b, a in out.items()}
 
     def known_tensors(self, bucket: int) -> list[tuple[str, str, torch.Tensor]]:
         """``(kind, name, tensor)`` of the memory the runner itself knows for ``bucket``: the

@@ -10,8 +10,17 @@ parameters the caller registered (``params=``), the graph's private pool; failin
 caching allocator's blocks outside the pool.
 
 - **error** ``dangling``: an address in a *freed* allocator block (emulated: a tensor from
-  outside the capture that only the graph still holds). The graph reads or writes memory the
-  allocator may hand to anyone: the temporary allocated outside the pool (TensorRT-LLM #16290).
+  outside the capture that only the graph still holds) that the node certainly uses: a whole
+  pointer-sized kernel parameter, a copy's source or destination, a recorded op's tensor. The
+  graph reads or writes memory the allocator may hand to anyone: the temporary allocated
+  outside the pool (TensorRT-LLM #16290).
+- **possible** ``dangling``: the same address found as a word *inside* a larger kernel parameter
+  (a struct) or a library's packed argument buffer. Whether the kernel dereferences that word
+  is unknown: TensorIterator's functors carry fixed-size arrays and padding whose unused words
+  hold stale host-stack values, which on an H200 pointed into freed blocks in most captures of
+  the reference engine while every replay equalled eager. Never an error by itself: a user
+  would learn to ignore an audit that cries wolf. :func:`~graphctl.graphs.analysis.confirm.confirm`
+  (``audit(confirm=True)``) settles each one by replaying with the region poisoned.
 - **warning** ``unregistered``: an address in a live allocator block that nobody registered.
   Often a model weight not passed as ``params=``. Blocks that the runner's eager warmup
   allocated and kept (cuBLAS workspaces, other lazily created library state) and live memory
@@ -56,7 +65,7 @@ _PRIORITY = {"buffer": 0, "arena": 0, "input": 0, "output": 1, "argument": 1, "p
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Finding:
-    severity: str  # "error" or "warning"
+    severity: str  # "error", "possible" (an unconfirmed dangling word) or "warning"
     kind: str  # "dangling", "unregistered", "refreshed-in-target", "unread-reader"
     buffer: str  # the buffer or memory region concerned
     segment: str  # the segment (or role, for unread-reader) it was found in
@@ -64,10 +73,13 @@ class Finding:
     message: str
     node: int | None = None
     where: str = ""  # which argument held the address
+    region: tuple[int, int] | None = None  # the freed block [start, end) of a dangling finding
+    evidence: str = ""  # how a possible finding was settled (confirm), or why it stays possible
 
     def __str__(self) -> str:
         at = f" (node {self.node}: {self.op}, {self.where})" if self.node is not None else ""
-        return f"{self.severity} {self.kind}: [{self.buffer}] {self.message} in segment {self.segment}{at}"
+        why = f"; {self.evidence}" if self.evidence else ""
+        return f"{self.severity} {self.kind}: [{self.buffer}] {self.message} in segment {self.segment}{at}{why}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +91,11 @@ class Audit:
     usage: Mapping[str, Mapping[str, str]]  # segment -> buffer -> "read" / "write" / "read+write" / "touch"
     classes: Mapping[str, int]  # region kind (or "unknown") -> addresses classified as such
     census: Mapping[str, Mapping[str, int]]
+    dropped: tuple[Finding, ...] = ()  # possible findings a confirm replay showed harmless (with evidence)
+
+    @property
+    def possible(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.severity == "possible")
 
     @property
     def errors(self) -> tuple[Finding, ...]:
@@ -89,19 +106,23 @@ class Audit:
         return tuple(f for f in self.findings if f.severity == "warning")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"bucket": self.bucket, "errors": len(self.errors), "warnings": len(self.warnings),
-                "findings": [dataclasses.asdict(f) for f in self.findings],
+        return {"bucket": self.bucket, "errors": len(self.errors), "possible": len(self.possible),
+                "warnings": len(self.warnings), "findings": [dataclasses.asdict(f) for f in self.findings],
+                "dropped": [dataclasses.asdict(f) for f in self.dropped],
                 "usage": {s: dict(u) for s, u in self.usage.items()}, "classes": dict(self.classes),
                 "census": {k: dict(v) for k, v in self.census.items()}}
 
     def __str__(self) -> str:
         buf = io.StringIO()
-        buf.write(f"bucket {self.bucket}: {len(self.errors)} errors, {len(self.warnings)} warnings; "
+        more = f"{len(self.possible)} possible, " if self.possible else ""
+        buf.write(f"bucket {self.bucket}: {len(self.errors)} errors, {more}{len(self.warnings)} warnings; "
                   f"addresses: {', '.join(f'{k} {v}' for k, v in sorted(self.classes.items()))}\n")
         for seg, used in self.usage.items():
             buf.write(f"  {seg}: {', '.join(f'{b} ({a})' for b, a in sorted(used.items())) or 'no declared buffer'}\n")
         for f in self.findings:
             buf.write(f"  {f}\n")
+        for f in self.dropped:
+            buf.write(f"  dropped {f}\n")
         return buf.getvalue()
 
 
@@ -204,9 +225,17 @@ def audit_graph(graph: Any, bucket: int, *, known: Sequence[tuple[str, str, torc
             where = ref.where if at == str(top) else f"body node {at}, {ref.where}"
             if kind == "freed" and key not in reported:
                 reported.add(key)
-                findings.append(Finding("error", "dangling", region.name, seg, node.name,
-                                        f"{node.kind} uses {ref.address:#x} (+{off}) in memory freed since capture: "
-                                        "a temporary allocated outside the graph's pool", top, where))
+                if ref.exact:
+                    findings.append(Finding("error", "dangling", region.name, seg, node.name,
+                                            f"{node.kind} uses {ref.address:#x} (+{off}) in memory freed since "
+                                            "capture: a temporary allocated outside the graph's pool", top, where,
+                                            (region.start, region.end)))
+                else:
+                    findings.append(Finding("possible", "dangling", region.name, seg, node.name,
+                                            f"{node.kind} argument word {ref.address:#x} (+{off}) points into memory "
+                                            "freed since capture; whether the kernel dereferences it is unknown "
+                                            "(audit(confirm=True) replays with the block poisoned)", top, where,
+                                            (region.start, region.end)))
             elif kind == "live" and key not in reported:
                 reported.add(key)
                 hint = ("the forward writes state graphctl does not know: declare it in a StateSpec or let "

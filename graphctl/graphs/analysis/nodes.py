@@ -17,7 +17,10 @@ Where addresses come from, on CUDA:
 - memcpy nodes (source read, destination written) and memset nodes (destination written).
 
 Every 8-byte-aligned word of a kernel's arguments is a candidate address; the audit keeps the
-ones that fall into known memory. A kernel's arguments do not say what it reads and what it
+ones that fall into known memory. A word that is a whole 8-byte parameter is ``exact`` (the
+kernel takes a pointer-sized value there); a word inside a larger parameter or an ``extra``
+buffer is not: the parameter layout (``cuFuncGetParamInfo``: offset and size) says which bytes
+are parameters, not which words of a struct are live pointers. A kernel's arguments do not say what it reads and what it
 writes, so kernel references have access ``touch``.
 """
 from __future__ import annotations
@@ -37,6 +40,11 @@ class Ref:
     access: str  # "read", "write" or "touch" (a kernel argument: either)
     where: str  # "param 2+8", "extra+64", "src", "dst", "arg 0"
     nbytes: int = 0  # known extent (copies, memsets, emulated tensors), 0 when unknown
+    # A whole pointer-sized kernel parameter, a copy's address or a recorded tensor: a pointer
+    # the node uses. False for a word inside a larger parameter (a struct: TensorIterator's
+    # functors carry fixed-size arrays and padding whose unused words hold whatever the host
+    # stack held) or in a library's packed ``extra`` buffer: maybe a pointer, maybe not.
+    exact: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

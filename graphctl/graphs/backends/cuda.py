@@ -17,6 +17,7 @@ capture mode (torch's ``graphs.py``, seen on torch 2.11). This backend calls ``c
 """
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -104,6 +105,25 @@ class CudaGraph:
 
     def replay(self) -> None:
         self._graph.replay()
+
+    can_poison = True  # audit confirm (graphs/analysis/confirm.py) may fill freed blocks and replay
+
+    def poison(self, start: int, nbytes: int, byte: int) -> None:
+        """Fill device memory ``[start, start + nbytes)`` with ``byte`` (the caller checked that the
+        caching allocator lists it as free: nobody's data is there)."""
+        drv = bindings.driver()
+        err, = drv.cuMemsetD8(drv.CUdeviceptr(start), byte, nbytes)
+        if int(err) != 0:
+            raise RuntimeError(f"cuMemsetD8 on a freed block failed: {err}")
+
+    def peek(self, start: int, nbytes: int) -> bytes:
+        """The bytes of device memory ``[start, start + nbytes)``, copied to the host."""
+        drv = bindings.driver()
+        buf = ctypes.create_string_buffer(nbytes)
+        err, = drv.cuMemcpyDtoH(ctypes.addressof(buf), drv.CUdeviceptr(start), nbytes)
+        if int(err) != 0:
+            raise RuntimeError(f"cuMemcpyDtoH from a freed block failed: {err}")
+        return buf.raw
 
     def repoint(self, moves: list) -> Callable[[], int]:
         """Check now that every address inside a moved span (``graphs/repoint.py``) sits where it

@@ -65,8 +65,12 @@ def _candidates(data: bytes) -> Iterator[tuple[int, int]]:
             yield off, v
 
 
-def _words(data: bytes, where: str, base_off: int = 0) -> list[Ref]:
-    return [Ref(v, "touch", f"{where}+{base_off + off}") for off, v in _candidates(data)]
+def _words(data: bytes, where: str, exact: bool) -> list[Ref]:
+    """Candidate addresses of one parameter (or ``extra`` buffer); ``exact`` only where the
+    parameter is one 8-byte word (see ``Ref.exact``)."""
+    exact = exact and len(data) == _WORD
+    return [Ref(v, "touch", f"{where}+{off}" + ("" if exact else f" of {len(data)} B"), exact=exact)
+            for off, v in _candidates(data)]
 
 
 def _kernel(drv, node, index: int) -> Node:
@@ -97,7 +101,7 @@ def _kernel(drv, node, index: int) -> Node:
             sizes.append(size)
             ptr = ctypes.c_uint64.from_address(kp + _WORD * i).value
             if ptr:
-                refs += _words(ctypes.string_at(ptr, size), f"param {i}")
+                refs += _words(ctypes.string_at(ptr, size), f"param {i}", True)
     elif extra:
         buf, size = 0, 0
         for j in range(0, 32, 2):  # {key, value}* END: BUFFER_POINTER=1, BUFFER_SIZE=2 (a size_t*), END=0
@@ -111,7 +115,7 @@ def _kernel(drv, node, index: int) -> Node:
                 size = ctypes.c_uint64.from_address(val).value
         if buf and size:
             sizes.append(size)
-            refs += _words(ctypes.string_at(buf, size), "extra")
+            refs += _words(ctypes.string_at(buf, size), "extra", False)
         else:
             note = "extra launch without a readable argument buffer"
     short = short_name(symbol) if symbol else "?"

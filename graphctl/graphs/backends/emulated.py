@@ -124,6 +124,9 @@ class EmulatedGraph:
     def node_count(self) -> int:
         return len(self._ops)
 
+    # Its dangling findings are exact (a recorded tensor, by identity): nothing to confirm by poisoning.
+    can_poison = False
+
     def replay(self) -> None:
         # A CUDA graph replay cannot be stopped halfway; neither can this one: a Ctrl-C that
         # arrives mid-replay is held until the last recorded op ran (a recorded switch would
