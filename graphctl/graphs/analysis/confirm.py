@@ -50,7 +50,8 @@ def confirm(audit: Audit, graph: Any, *, replay: Callable[[], None], observed: C
     possible = audit.possible
     if not possible:
         return audit
-    verdicts = {r: _settle(r, graph, replay, observed, restore, sync) for r in dict.fromkeys(f.region for f in possible)}
+    regions = dict.fromkeys(f.region for f in possible)  # one verdict per freed block, in finding order
+    verdicts = {r: _settle(r, graph, replay, observed, restore, sync) for r in regions}
     restore()
     sync()
     kept: list[Finding] = []
