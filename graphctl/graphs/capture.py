@@ -30,7 +30,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from graphctl.errors import DeclarationError, ReplayError
-from graphctl.graphs import hoststate, rebinding
+from graphctl.graphs import compiled, hoststate, rebinding
 from graphctl.graphs.analysis.audit import param_tensors
 from graphctl.graphs.analysis.nodes import Region
 from graphctl.graphs.backends import GraphBackend, select_backend
@@ -166,14 +166,21 @@ class Result:
     workspaces: tuple[Region, ...]  # what the warmups allocated and kept (library workspaces)
     host_changes: tuple[hoststate.HostChange, ...]  # host values the passes changed (policy applied)
     paths: list[rebinding.PathCheck]  # tensors reached through the arguments, re-checked at every replay
+    # bucket -> dynamo's work: "warmup" (frames converted and graphs compiled while warming it up),
+    # "uncompiled" (frames dynamo was asked to convert during its capture: run uncompiled), "breaks"
+    compile: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
+    sites: tuple[str, ...] = ()  # the compiled callables the forward reaches, by path
 
 
 def capture_buckets(p: Passes, arguments: dict[str, Any], get_arg: Callable[[tuple, dict, str], Any]) -> Result:
     """Both passes (see the module docstring), then what the runner keeps of them."""
     roots = roots_of(p.fn, arguments, p.params)
+    sites = compiled.sites(p.fn, roots)
+    compiled.refuse_inductor_graphs(p.fn, sites)
     host_before = hoststate.take(roots)
+    stats: dict[int, dict[str, int]] = {}
     try:
-        graphs, workspaces = _passes(p, arguments)
+        graphs, workspaces = _passes(p, arguments, sites, stats)
     finally:  # whatever happened, the host values are compared (and, by policy, put back)
         found = hoststate.changes(host_before, hoststate.take(roots))
         if found and p.host_policy != "warn":
@@ -191,7 +198,13 @@ def capture_buckets(p: Passes, arguments: dict[str, Any], get_arg: Callable[[tup
     if p.ledger.unreached:
         log.warning("graphctl: %s: tensors the graph reads that no checked path reaches: %s",
                     getattr(p.fn, "__qualname__", p.fn), "; ".join(map(str, p.ledger.unreached)))
-    return Result(graphs, workspaces, tuple(found), paths)
+    for b, st in sorted(stats.items()):
+        if st["uncompiled"]:
+            log.warning("graphctl: %s: bucket %d: dynamo was asked to convert %d frame(s) during the capture (a guard "
+                        "that failed after the warmups, or a recompile limit): compiled frames ran uncompiled",
+                        getattr(p.fn, "__qualname__", p.fn), b, st["uncompiled"])
+    paths_of_sites = tuple(s.path for s in sites) + (("forward",) if compiled.is_compiled(p.fn) else ())
+    return Result(graphs, workspaces, tuple(found), paths, stats, paths_of_sites)
 
 
 def _model_tensors(params: Any) -> list[torch.Tensor]:
@@ -229,8 +242,11 @@ def _owned(p: Passes) -> set[tuple[str, int]]:
     return owned
 
 
-def _passes(p: Passes, arguments: dict[str, Any]) -> tuple[dict[int, Captured], tuple[Region, ...]]:
+def _passes(p: Passes, arguments: dict[str, Any], sites: list[compiled.Site],
+            stats: dict[int, dict[str, int]]) -> tuple[dict[int, Captured], tuple[Region, ...]]:
     fx, be = p.fixed, p.fixed.backend
+    # the tracked run is eager by design (compiled.py): a compiled forward gets one compiling run more
+    runs = max(p.warmup_iters, 2) if sites or compiled.is_compiled(p.fn) else p.warmup_iters
     order = sorted(p.buckets.sizes, reverse=True)
     graphs: dict[int, Captured] = {}
     with Snapshot.of(p.state, BoundState.restorable_names) as given, gc_held(), _progress(p.progress) as bar:
@@ -241,7 +257,8 @@ def _passes(p: Passes, arguments: dict[str, Any]) -> tuple[dict[int, Captured], 
             given.restore()
             p.load(arguments, fx.n, b)
             call = p.call_args(arguments, b)
-            for it in range(p.warmup_iters):
+            dynamo = compiled.Counters.now()
+            for it in range(runs):
                 try:
                     with fx.guard:
                         if it == 0:  # a bucket's first run finds its side effects (and undoes them)
@@ -253,6 +270,9 @@ def _passes(p: Passes, arguments: dict[str, Any]) -> tuple[dict[int, Captured], 
                     raise
                 if p.ledger.tensors:  # the next run starts from the caller's state too
                     given.restore(added_only=True)
+            done = compiled.Counters.now().since(dynamo)
+            stats[b] = {"warmup_frames": done.frames, "warmup_graphs": done.graphs, "breaks": done.breaks,
+                        "uncompiled": 0}
             if bar:
                 bar.update(task, advance=1, description=f"warmup bucket {b}")
         be.synchronize()
@@ -264,7 +284,9 @@ def _passes(p: Passes, arguments: dict[str, Any]) -> tuple[dict[int, Captured], 
         for b in order:  # pass 2: largest first, so smaller graphs reuse its pool blocks
             given.restore()
             p.load(arguments, fx.n, b)
-            graphs[b] = _capture_one(p, b, p.call_args(arguments, b), pool)
+            dynamo = compiled.Counters.now()
+            graphs[b] = _capture_one(p, b, p.call_args(arguments, b), pool, sites)
+            stats[b]["uncompiled"] = compiled.Counters.now().since(dynamo).frames
             if bar:
                 pool_mib = sum(c.graph.pool_bytes for c in graphs.values()) / 2**20
                 bar.update(task, advance=1, description=f"captured bucket {b} "
@@ -283,7 +305,12 @@ def _tracked_warmup(p: Passes, arguments: dict[str, Any], call: tuple[tuple, dic
               if not s.static.dtype.is_floating_point and s.static.dtype != torch.bool
               and not (s.spec.pad.kind == "fill" and s.spec.pad.value is not None and s.spec.pad.value < 0)}
     known = len(p.ledger.hazards)
-    pairs = p.ledger.track(lambda: be.warmup(lambda: p.fn(*call[0], **call[1])),
+
+    def run() -> Any:
+        with compiled.eager():  # dynamo never meets the tracker's dispatch mode (compiled.py)
+            return be.warmup(lambda: p.fn(*call[0], **call[1]))
+
+    pairs = p.ledger.track(run,
                            reachable(roots_of(p.fn, arguments, p.params)), owned, be.synchronize, padded)
     for h in list(p.ledger.hazards.values())[known:]:
         log.warning("graphctl: %s: %s", getattr(p.fn, "__qualname__", p.fn), h)
@@ -294,21 +321,23 @@ def _tracked_warmup(p: Passes, arguments: dict[str, Any], call: tuple[tuple, dic
     return pairs
 
 
-def _capture_one(p: Passes, bucket: int, call: tuple[tuple, dict], pool: Any) -> Captured:
+def _capture_one(p: Passes, bucket: int, call: tuple[tuple, dict], pool: Any, sites: list[compiled.Site]) -> Captured:
     marks: list[tuple[str, int]] = []
+    be = p.fixed.backend
+    fn = be.opaque(p.fn) if compiled.is_compiled(p.fn) else p.fn
 
     def body(mark: Callable[[], int]) -> Any:
         def observe(role: str, phase: str, event: str) -> None:
             if phase == "capture":
                 marks.append((event, mark()))
         if p.state is None:
-            return p.fn(*call[0], **call[1])
+            return fn(*call[0], **call[1])
         with p.state.observe(observe):
-            return p.fn(*call[0], **call[1])
+            return fn(*call[0], **call[1])
 
     t0 = time.perf_counter()
     with p.fixed.guard:
-        graph, out = p.fixed.backend.capture(body, pool, bucket)
+        graph, out = be.capture(body, pool, bucket, sites)
     ms = (time.perf_counter() - t0) * 1e3
     return Captured(graph, out, bucket, p.manifest(), segments_from_marks(marks, graph.node_count), ms,
                     frozenset({1} | {si.per_item for si in p.fixed.inputs}))

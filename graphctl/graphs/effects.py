@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import CaptureError, DeclarationError
+from graphctl.graphs.compiled import unwrap
 from graphctl.graphs.frames import user_frame
 from graphctl.state.interrupts import drop_mode
 
@@ -106,9 +107,10 @@ def reachable(roots: Iterable[tuple[str, Any]]) -> dict[tuple[str, int], tuple[s
 
 def roots_of(fn: Callable[..., Any], arguments: dict[str, Any], params: Any) -> list[tuple[str, Any]]:
     """What ``fn`` can reach: its arguments, a bound method's ``self``, closure cells, the
-    globals its code names (not modules), and ``params``."""
+    globals its code names (not modules), and ``params``; a compiled ``fn`` is seen through
+    (``compiled.unwrap``: a compiled module's ``self`` is the user's module)."""
     roots: list[tuple[str, Any]] = list(arguments.items())
-    target = fn
+    target = unwrap(fn)  # through torch.compile wrappers to the user's code
     if inspect.ismethod(target):
         roots.append(("self", target.__self__))
         target = target.__func__

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from graphctl.errors import DeclarationError, ReplayError
+from graphctl.graphs.compiled import unwrap
 from graphctl.graphs.effects import storage_key
 
 __all__ = ["PathCheck", "Paths", "check_option", "collect", "first_moved"]
@@ -89,7 +90,7 @@ def _roots(fn: Callable[..., Any], get_arg: Callable[[tuple, dict, str], Any], n
            params: Any) -> list[tuple[str, Callable[[tuple, dict], Any], Any]]:
     """(name, getter at call time, value now) of what ``fn`` reaches (as ``effects.roots_of``)."""
     out: list[tuple[str, Callable[[tuple, dict], Any], Any]] = []
-    target = fn
+    target = unwrap(fn)
     if inspect.ismethod(target):
         me = target.__self__
         out.append(("self", lambda a, k, me=me: me, me))

@@ -135,6 +135,7 @@ class GraphRunner:
         self._fallbacks: dict[str, int] = {}
         self._streak = 0  # calls since the last replay, all eager (a bypassed runner: see _unservable)
         self.workspaces: tuple[Region, ...] = ()
+        self._compiled: tuple[tuple[str, ...], dict[int, dict[str, int]]] = ((), {})
 
     @property
     def side_effects(self) -> tuple[SideEffect, ...]:
@@ -221,6 +222,7 @@ class GraphRunner:
             r = capture_buckets(passes, arguments, self._sig.get)
             self._graphs, self.workspaces, self.host_changes, self._paths = r.graphs, r.workspaces, r.host_changes, \
                 r.paths
+            self._compiled = (r.sites, r.compile)  # torch.compile: reached callables, dynamo's work per bucket
         except BaseException:
             self.reset()  # never keep some buckets of a failed capture_all: a call would find holes
             raise
@@ -252,6 +254,7 @@ class GraphRunner:
         self._ledger.clear()
         self._fixed = None
         self.workspaces = ()
+        self._compiled = ((), {})
 
     # --------------------------------------------------------------------------- replay
 
@@ -457,4 +460,4 @@ class GraphRunner:
         return Report(getattr(self.fn, "__qualname__", repr(self.fn)), be.name if be is not None else "-", device,
                       torch.__version__, rows, dict(self._fallbacks), effects, self._streak,
                       bool(self._graphs) and 0 < knobs.bypass_window <= self._streak, host, hazards,
-                      tuple(dataclasses.asdict(u) for u in self._ledger.unreached))
+                      tuple(dataclasses.asdict(u) for u in self._ledger.unreached), *self._compiled)

@@ -80,6 +80,16 @@ class Report:
     # tensors the forward read that existed before it ran and no checked path reaches (graphs/effects.py):
     # shape, dtype, device, op, where
     unreached: tuple[dict[str, Any], ...] = ()
+    # torch.compile (graphs/compiled.py): the compiled callables the forward reaches, by path, and per
+    # bucket dynamo's work: warmup_frames / warmup_graphs (recompiles), breaks, uncompiled (frames
+    # dynamo was asked to convert during the capture: they ran uncompiled)
+    compiled: tuple[str, ...] = ()
+    compile: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def uncompiled(self) -> int:
+        """Compiled frames run uncompiled during the capture pass, over every bucket."""
+        return sum(st.get("uncompiled", 0) for st in self.compile.values())
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -111,6 +121,10 @@ class Report:
         if self.bypassed:
             buf.write(f"warning: the last {self.eager_streak} calls all ran eagerly: the graphs are captured but "
                       "bypassed (see the fallbacks below)\n")
+        if self.compiled:
+            per = ", ".join(f"{b}: {st['warmup_graphs']}" for b, st in sorted(self.compile.items()))
+            buf.write(f"compiled: {', '.join(self.compiled)}; graphs compiled in warmup per bucket: {per}; "
+                      f"compiled frames run uncompiled: {self.uncompiled}\n")
         if self.fallbacks:
             buf.write("eager fallbacks: " + "; ".join(f"{r} (x{c})" for r, c in self.fallbacks.items()) + "\n")
         for z in self.padding_hazards:

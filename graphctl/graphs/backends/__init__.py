@@ -6,7 +6,7 @@ that cannot run raises :class:`~graphctl.errors.CaptureError` with every reason.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -39,6 +39,9 @@ class GraphBackend(Protocol):
     stream); ``capture(body, pool, bucket)`` records ``body(mark)`` into a graph sharing ``pool``
     (``mark()`` returns the number of nodes recorded so far: segment boundaries) and returns the
     graph and ``body``'s output, or raises ``CaptureError`` having left nothing behind;
+    ``compiled`` are the compiled callables the forward reaches (``graphs/compiled.py``) and
+    ``opaque(fn)`` the callable to capture a compiled forward through: the emulated recorder records
+    each as one call, the CUDA backend captures their kernels as they are;
     ``live_blocks()`` is the set of live allocator blocks ``(address, size)`` (workspaces that a
     warmup allocated and kept show up as the difference); ``new_pool()`` a memory pool for
     ``capture``; ``synchronize()`` waits for the device."""
@@ -47,8 +50,9 @@ class GraphBackend(Protocol):
     device: torch.device
 
     def warmup(self, body: Callable[[], Any]) -> Any: ...
-    def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any,
-                bucket: int) -> tuple[CapturedGraph, Any]: ...
+    def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int,
+                compiled: Sequence[Any] = ()) -> tuple[CapturedGraph, Any]: ...
+    def opaque(self, fn: Callable[..., Any]) -> Callable[..., Any]: ...
     def live_blocks(self) -> set[tuple[int, int]]: ...
     def new_pool(self) -> Any: ...
     def synchronize(self) -> None: ...

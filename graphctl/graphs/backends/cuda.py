@@ -18,7 +18,7 @@ capture mode (torch's ``graphs.py``, seen on torch 2.11). This backend calls ``c
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -189,7 +189,12 @@ class CudaBackend:
                                found="the default stream", fix="pass a torch.cuda.Stream()", bucket=bucket)
         refuse_nested_capture(bucket)
 
-    def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int) -> tuple[CudaGraph, Any]:
+    @staticmethod
+    def opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return fn  # a compiled forward's kernels are captured like any others
+
+    def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int,
+                compiled: Sequence[Any] = ()) -> tuple[CudaGraph, Any]:
         self._check_preconditions(bucket)
         g = torch.cuda.CUDAGraph(keep_graph=True)
         self.synchronize()

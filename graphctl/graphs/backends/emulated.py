@@ -18,20 +18,31 @@ device-to-host copies. ``.cpu()`` and ``.tolist()`` of a tensor that already liv
 do not reach the dispatcher, so on a CPU-only machine they are invisible here; on CUDA tensors
 they are device-to-host copies and are refused (so is every host read under a CUDA capture).
 graphctl's own ops are recorded as single ops.
+
+Compiled code (``torch.compile``) is recorded as one call per compiled callable the forward
+reaches (``graphs/compiled.py``): the recorder steps off the mode stack, the compiled artifact
+runs (Inductor's kernels are no dispatcher ops a recorder could see), and the replay calls it
+again with the same arguments, its fresh results copied into the capture-time outputs. Such a
+call re-reads the Python attributes its code reads at every replay, where a CUDA graph keeps the
+capture-time addresses: the runner's path check covers that difference. Everything else runs
+under the ``force_eager`` stance, so dynamo never meets the recorder.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import CaptureError
+from graphctl.graphs import compiled as _compiled
 from graphctl.graphs.analysis.nodes import Node, Ref, Region
 from graphctl.graphs.frames import GRAPHCTL_DIR, user_frame
 from graphctl.state.interrupts import deferred, drop_mode
@@ -76,10 +87,34 @@ class _Op:
         self.waits = tuple(i for i, r in enumerate(func._schema.returns) if str(r.type).endswith("Work"))
 
 
+class _Call:
+    """A compiled callable's call, recorded whole: replayed by calling it again."""
+
+    __slots__ = ("func", "args", "kwargs", "fresh", "waits", "name")
+
+    def __init__(self, func, args, kwargs, out, name: str) -> None:
+        self.func, self.args, self.kwargs, self.name, self.waits = func, args, kwargs, name, ()
+        self.fresh = tuple((i, t) for i, t in enumerate(tree_flatten(out)[0]) if isinstance(t, torch.Tensor))
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[_Op] = []
+        self.ops: list[_Op | _Call] = []
+
+    def opaque(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """``fn`` (compiled) run off the mode stack with dynamo on, and recorded as one call."""
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with _pop_mode_temporarily() as mode, _compiled.compiled_stance():
+                if mode is not self:  # another mode entered inside the forward: no opaque call under it
+                    raise CaptureError("a dispatch mode inside the forward encloses a compiled call",
+                                       expected="no TorchDispatchMode entered inside the captured forward",
+                                       found=type(mode).__name__, fix="enter the mode outside the graphed call")
+                out = fn(*args, **kwargs)
+            self.ops.append(_Call(fn, args, kwargs, out, name))
+            return out
+        return call
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -133,7 +168,7 @@ class EmulatedGraph:
         # otherwise be left half applied), then raised.
         with deferred(), torch.no_grad():
             for op in self._ops:
-                res = op.func(*op.args, **op.kwargs)
+                res = op.func(*op.args, **op.kwargs)  # a recorded compiled call runs compiled: no mode is on
                 for i in op.waits:
                     res[i].wait()
                 if op.fresh:
@@ -169,7 +204,7 @@ class EmulatedGraph:
         return count
 
     def op_names(self) -> list[str]:
-        return [op.func._schema.name for op in self._ops]
+        return [op.name if isinstance(op, _Call) else op.func._schema.name for op in self._ops]
 
     def nodes(self) -> list[Node]:
         """One :class:`~graphctl.graphs.analysis.nodes.Node` per recorded op: its tensor arguments as
@@ -177,6 +212,11 @@ class EmulatedGraph:
         ``read`` otherwise. View ops reference nothing (their consumers do)."""
         nodes = []
         for i, op in enumerate(self._ops):
+            if isinstance(op, _Call):  # a compiled call: its tensors may be read or written in place
+                refs = [r for v in (*op.args, *op.kwargs.values()) for r in _tensor_refs(v, "touch", "arg")]
+                refs += [r for j, t in op.fresh for r in _tensor_refs(t, "write", f"result {j}")]
+                nodes.append(Node(i, "op", op.name, refs=tuple(refs)))
+                continue
             schema, name = op.func._schema, op.func.name()
             rets = schema.returns
             if rets and all(r.alias_info is not None and not r.alias_info.is_write for r in rets):
@@ -304,6 +344,21 @@ class _LooksLikeCapture:
         self.__exit__(None, None, None)
 
 
+@contextlib.contextmanager
+def _rerouted(sites: Sequence[Any], rec: _Recorder):
+    """Each compiled site rebound to ``rec``'s opaque call for the capture, put back after it."""
+    done = []
+    try:
+        for s in sites:
+            original = s.get()
+            s.put(rec.opaque(original, f"compiled:{s.path}"))
+            done.append((s, original))
+        yield
+    finally:
+        for s, original in reversed(done):
+            s.put(original)
+
+
 class EmulatedBackend:
     """Runs anywhere; what CI tests capture semantics with. See :class:`CudaBackend` for the
     interface both backends share."""
@@ -312,6 +367,7 @@ class EmulatedBackend:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._rec: _Recorder | None = None  # the recorder of the capture running now (opaque calls)
         with deferred(), _Recorder():  # the first dispatch mode entered in a process pays torch's lazy set-up
             torch.zeros(1).add_(1)
 
@@ -324,12 +380,21 @@ class EmulatedBackend:
     def warmup(self, body: Callable[[], Any]) -> Any:
         return body()
 
-    def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int) -> tuple[EmulatedGraph, Any]:
-        """Record ``body(mark)``, where ``mark()`` is the number of ops recorded so far."""
+    def opaque(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A compiled forward, called through the recorder of the capture running then."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._rec.opaque(fn, "compiled:forward")(*args, **kwargs)
+        return call
+
+    def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int,
+                compiled: Sequence[Any] = ()) -> tuple[EmulatedGraph, Any]:
+        """Record ``body(mark)``, where ``mark()`` is the number of ops recorded so far; each of
+        ``compiled`` (``graphs/compiled.py`` sites) is recorded as one call."""
         rec, looks = _Recorder(), _LooksLikeCapture()
+        self._rec = rec
         try:
             try:
-                with recording(), looks, rec:
+                with recording(), looks, _compiled.eager(), _rerouted(compiled, rec), rec:
                     out = body(lambda: len(rec.ops))
             finally:  # an interrupt at the with-statement's exit skips the innermost __exit__ calls
                 drop_mode(rec)

@@ -1,0 +1,136 @@
+"""Compiled forwards under @graphed (issue 28): the compiled artifact runs in the warmups and the capture (counted by
+a backend that counts its calls), the replay equals eager, side effects are undone, and the user's function still
+runs compiled afterwards; Inductor's own CUDA graphs are refused; frames dynamo must convert during the capture are
+counted and reported. Each test failed before graphctl learned about torch.compile (the tracker's dispatch mode made
+dynamo run the forward uncompiled, and the reach stopped at the compile wrapper)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import graphctl
+from graphctl import DeclarationError
+
+BACKENDS = ["aot_eager", "inductor"]
+
+
+def counting(name: str) -> tuple:
+    """A torch.compile backend that compiles with ``name`` and counts the calls of what it compiled."""
+    calls = {"n": 0}
+    inner = torch._dynamo.lookup_backend(name)
+
+    def backend(gm, example_inputs):
+        artifact = inner(gm, example_inputs)
+
+        def run(*args):
+            calls["n"] += 1
+            return artifact(*args)
+        return run
+    return backend, calls
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+STEPS = torch.zeros(1)  # a module-level tensor the forward advances: a side effect graphctl must undo
+
+
+def _forward(x, w):
+    STEPS.add_(1)
+    return torch.tanh(x @ w) * 2 + 1
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_compiled_function_runs_compiled_in_warmup_and_capture_and_stays_compiled(name, gen):
+    # Regression: issue 28, a compiled forward ran uncompiled under @graphed and its side effect (7 instead of 1).
+    backend, calls = counting(name)
+    cf = torch.compile(_forward, backend=backend, dynamic=False)
+    w = torch.randn(6, 5, generator=gen)
+    f = graphctl.graphed(cf, buckets=[2, 4], backend="emulated", inputs=["x"], progress=False)
+    x = torch.randn(4, 6, generator=gen)
+    STEPS.zero_()
+    f.capture_all(x, w)
+    ran = calls["n"]
+    assert ran >= 4, ran  # one compiling warmup and one recorded call per bucket, at least
+    assert STEPS.item() == 0  # every warmup and capture undone
+    x2 = torch.randn(3, 6, generator=gen)
+    out = f(x2, w).clone()
+    assert STEPS.item() == 1 and calls["n"] == ran + 1  # the replay called the compiled artifact
+    torch.testing.assert_close(out, torch.tanh(x2 @ w) * 2 + 1)
+    rep = f.report()
+    assert rep.compiled == ("forward",) and rep.uncompiled == 0 and all(
+        st["warmup_graphs"] >= 0 for st in rep.compile.values()), rep.compile
+    frames = counters["frames"]["total"]
+    cf(torch.randn(4, 6, generator=gen), w)  # called directly afterwards: compiled, nothing recompiled
+    assert calls["n"] == ran + 2 and counters["frames"]["total"] == frames
+
+
+class Block(torch.nn.Module):
+    def __init__(self, gen):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.randn(6, 6, generator=gen))
+        self.register_buffer("seen", torch.zeros(1))
+
+    def forward(self, x):
+        self.seen.add_(1)  # a buffer the compiled module writes: reached through the OptimizedModule
+        return torch.relu(self.lin(x))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_plain_code_calling_a_compiled_module(name, gen):
+    backend, calls = counting(name)
+    block = Block(gen)
+    cm = torch.compile(block, backend=backend, dynamic=False)
+    head = torch.randn(6, 3, generator=gen)
+
+    def fwd(x):
+        return cm(x * 2) @ head
+
+    f = graphctl.graphed(fwd, buckets=[2, 4], backend="emulated", progress=False)
+    f.capture_all(torch.randn(4, 6, generator=gen))
+    assert calls["n"] >= 4 and block.seen.item() == 0, (calls, block.seen)
+    assert "forward" not in vars(cm) or vars(cm)["forward"].__name__ != "call"  # the capture's rerouting undone
+    x = torch.randn(2, 6, generator=gen)
+    with torch.no_grad():
+        want = torch.relu(block.lin(x * 2)) @ head
+    got = f(x).clone()
+    torch.testing.assert_close(got, want)
+    assert block.seen.item() == 1 and f.report().compiled == ("cm",), f.report().compiled
+    assert [e.path for e in f.side_effects] == ["cm.seen"] or [e.path for e in f.side_effects][0].endswith("seen")
+
+
+def test_inductor_cuda_graphs_are_refused(gen):
+    cf = torch.compile(_forward, mode="reduce-overhead")
+    f = graphctl.graphed(cf, buckets=[2], backend="emulated", inputs=["x"], progress=False)
+    with pytest.raises(DeclarationError, match="reduce-overhead") as ei:
+        f.capture_all(torch.randn(2, 6, generator=gen), torch.randn(6, 5, generator=gen))
+    assert "max-autotune-no-cudagraphs" in ei.value.fix
+
+
+class Knob:
+    calls = 0
+
+
+def test_a_frame_dynamo_converts_during_capture_is_counted_and_warned(gen, caplog):
+    knob = Knob()
+
+    def fwd(x):
+        knob.calls += 1  # host state the compiled code guards on: every call misses the cache
+        return x * knob.calls
+
+    cf = torch.compile(fwd, backend="aot_eager", dynamic=False)
+    f = graphctl.graphed(cf, buckets=[2], backend="emulated", progress=False, host_state="restore")
+    with caplog.at_level(logging.WARNING, logger="graphctl"):
+        f.capture_all(torch.randn(2, 3, generator=gen))
+    rep = f.report()
+    assert rep.uncompiled >= 1 and "compiled frames run uncompiled: " in str(rep), str(rep)
+    assert any("during the capture" in r.getMessage() for r in caplog.records), caplog.text
