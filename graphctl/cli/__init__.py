@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="capture a Hugging Face model's speculative decode step on graphctl's paged cache instead: "
                         "a named config with random weights (tiny-llama, tiny-qwen2, tiny-qwen3, llama-1b) or a "
                         "config JSON path, e.g. --hf-config tiny-qwen3 (needs graphctl[transformers])")
+    c.add_argument("--compile", action="store_true",
+                   help="with --hf-config: compile both models with torch.compile (Inductor, no CUDA graphs of its "
+                        "own) before capture, so the graphs hold the fused kernels (e.g. --hf-config llama-1b --compile)")
     c.add_argument("--buckets", type=_buckets, metavar="LIST",
                    help="batch sizes (requests) to capture, e.g. --buckets 1,2,4,8 (default: derived from "
                         "--max-batch: powers of two and the maximum)")
@@ -102,8 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--plot", metavar="FILE", help="write a PNG: replay vs eager latency per bucket and pool "
                    "memory per bucket (needs matplotlib), e.g. --plot latency.png")
     c.add_argument("--hard-fail-on-fallback", action="store_true",
-                   help="exit 3 when any batch size from 1 to --max-batch fell back to eager "
-                        "(e.g. in CI: graphctl capture --hard-fail-on-fallback)")
+                   help="exit 3 when any batch size from 1 to --max-batch fell back to eager, or a compiled frame "
+                        "ran uncompiled in a capture (e.g. in CI: graphctl capture --hard-fail-on-fallback)")
     c.add_argument("--iters", type=_positive, default=20, metavar="N",
                    help="timed calls per bucket for the medians, e.g. --iters 50 (default 20)")
     c.add_argument("--seed", type=int, default=0, help="seed of --verify's random inputs, e.g. --seed 7 (default 0)")

@@ -204,7 +204,12 @@ def run_capture(args) -> int:
     if args.hf_config and args.target:
         con.print("[red]graphctl capture: give a TARGET or --hf-config, not both")
         return 2
-    spec, extra = (HF_TARGET, {"hf_config": args.hf_config}) if args.hf_config else (args.target or BUILTIN, {})
+    if args.compile and not args.hf_config:
+        con.print("[red]graphctl capture: --compile applies to --hf-config models; compile your own TARGET's "
+                  "forward in its factory (torch.compile, mode='default')")
+        return 2
+    spec, extra = ((HF_TARGET, {"hf_config": args.hf_config, "compile": args.compile}) if args.hf_config
+                   else (args.target or BUILTIN, {}))
     try:
         target = load_target(spec, device=device, max_batch=max_batch, draft_len=args.draft_len, **extra)
     except GraphctlError as exc:
@@ -250,6 +255,12 @@ def run_capture(args) -> int:
     for h in report.host_changes:  # host values the warmups and capture changed (graphs/hoststate.py)
         con.print(escape(f"host state changed by warmup/capture ({h['policy']}): {h['path']} {h['before']!r} -> "
                          f"{h['after']!r}"))
+    if report.compiled:
+        con.print(escape(f"compiled: {', '.join(report.compiled)}; graphs compiled in warmup per bucket: " +
+                         ", ".join(f"{b}: {st['warmup_graphs']}" for b, st in sorted(report.compile.items())) +
+                         f"; graph breaks: {sum(st['breaks'] for st in report.compile.values())}"))
+        line = f"compiled frames run uncompiled: {report.uncompiled}"
+        con.print(f"[red]{line}" if report.uncompiled else line)
     if report.bypassed:
         con.print(f"[yellow]the last {report.eager_streak} calls all ran eagerly: the graphs are bypassed")
     for e in report.side_effects:  # what the forward writes that graphctl does not own
@@ -281,6 +292,9 @@ def run_capture(args) -> int:
         rc = 1
     elif unserved and args.hard_fail_on_fallback:
         con.print(f"[red]{escape(f'batch sizes no graph served: {unserved} (--hard-fail-on-fallback)')}")
+        rc = 3
+    elif report.uncompiled and args.hard_fail_on_fallback:
+        con.print("[red]compiled frames ran uncompiled in a capture (--hard-fail-on-fallback)")
         rc = 3
     if args.dot:
         os.makedirs(args.dot, exist_ok=True)

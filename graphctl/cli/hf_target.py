@@ -11,7 +11,7 @@ __all__ = ["capture_target"]
 
 
 def capture_target(*, device: str = "cpu", max_batch: int = 64, draft_len: int = 3, seed: int = 0,
-                   hf_config: str = "tiny-llama", **_: object) -> CaptureTarget:
+                   hf_config: str = "tiny-llama", compile: bool = False, **_: object) -> CaptureTarget:
     """The HF engine's step for up to ``max_batch`` requests of ``draft_len + 1`` tokens."""
     from graphctl.integrations.hf import HFEngine
     from graphctl.integrations.hf.configs import hf_config as load
@@ -19,7 +19,7 @@ def capture_target(*, device: str = "cpu", max_batch: int = 64, draft_len: int =
     cfg = load(hf_config)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     eng = HFEngine.build(cfg, draft_len=draft_len, max_seqs=max_batch, max_context=256, block_size=16,
-                         device=device, dtype=dtype, seed=seed)
+                         device=device, dtype=dtype, seed=seed, compile=compile)
     g = torch.Generator().manual_seed(seed)
     k1 = draft_len + 1
     eng.meta.prepare(eng.state, torch.full((max_batch,), k1, dtype=torch.int32),
@@ -27,4 +27,5 @@ def capture_target(*, device: str = "cpu", max_batch: int = 64, draft_len: int =
     ids = torch.randint(0, eng.cfg.vocab, (max_batch * k1,), generator=g).to(eng.device)
     return CaptureTarget(forward=eng.step, example=(ids, eng.meta), state=eng.state,
                          inputs=(StaticInput("input_ids", per_item=k1),), params=eng.named_tensors(),
-                         name=f"HFEngine.step ({hf_config}, {type(eng.target_layers).__name__}, k={draft_len})")
+                         name=f"HFEngine.step ({hf_config}, {type(eng.target_layers).__name__}, k={draft_len}"
+                              f"{', compiled' if compile else ''})")

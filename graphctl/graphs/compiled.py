@@ -90,10 +90,11 @@ class Site:
 
 def _module_sites(path: str, m: torch.nn.Module, out: dict[int, Site]) -> None:
     for name, sub in m.named_modules(prefix=path):
-        if isinstance(sub, OptimizedModule) and id(sub) not in out:
-            # OptimizedModule keeps its compiled forward as an instance attribute: rebinding it
-            # reroutes every call of the module, and deleting it puts the class's back
-            out[id(sub)] = Site(name, sub, lambda s=sub: vars(s)["forward"],
+        fwd = vars(sub).get("forward")  # an instance attribute: OptimizedModule's, or model.forward = compile(...)
+        if (isinstance(sub, OptimizedModule) or is_compiled(fwd)) and id(sub) not in out:
+            # rebinding the instance's forward reroutes every call of the module
+            out[id(sub)] = Site(name if isinstance(sub, OptimizedModule) else f"{name}.forward",
+                                sub if isinstance(sub, OptimizedModule) else fwd, lambda s=sub: vars(s)["forward"],
                                 lambda v, s=sub: vars(s).__setitem__("forward", v))
 
 

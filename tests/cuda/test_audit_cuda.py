@@ -106,9 +106,12 @@ def test_input_whose_address_changed_cuda(gen):
 
 
 def test_no_findings_on_the_reference_engine_at_every_bucket_cuda(gen):
-    audits = engine_audits("cuda", "cuda", gen, buckets=(1, 2, 4, 8, 16))
+    # Regression: issue 35, struct words pointing into freed blocks were reported as dangling errors; confirmed by
+    # poisoned replays, none is read: each is dropped with its evidence.
+    audits = engine_audits("cuda", "cuda", gen, buckets=(1, 2, 4, 8, 16), confirm=True)
     assert set(audits) == {1, 2, 4, 8, 16}
     bad = [str(a) for a in audits.values() if a.findings]
     assert not bad, bad
+    print("dropped possible findings:", [str(f) for a in audits.values() for f in a.dropped])
     a = audits[16]
     assert a.usage["target"] and a.usage["draft"], str(a)  # segments really were attributed

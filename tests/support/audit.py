@@ -46,7 +46,8 @@ def target_reads_refreshed(device: str, backend: str, gen: torch.Generator) -> A
     return f.audit()[4]
 
 
-def engine_audits(device: str, backend: str, gen: torch.Generator, buckets=(2, 4, 8)) -> dict[int, Audit]:
+def engine_audits(device: str, backend: str, gen: torch.Generator, buckets=(2, 4, 8),
+                  confirm: bool = False) -> dict[int, Audit]:
     """The reference engine graphed at ``buckets``, audited with its weights and caches as params."""
     from graphctl.models import EngineConfig, MTPEngine
 
@@ -58,4 +59,4 @@ def engine_audits(device: str, backend: str, gen: torch.Generator, buckets=(2, 4
     f = graphctl.graphed(eng.step, buckets=list(buckets), state=st, backend=backend, progress=False,
                          params=eng.named_tensors(), inputs=[StaticInput("input_ids", per_item=4)])
     f.capture_all(torch.randint(0, eng.cfg.vocab, (4 * n,), generator=gen).to(device), m)
-    return f.audit()
+    return f.audit(confirm=confirm)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from graphctl.families.paged import KVCacheManager, PagedMetadata, paged_spec
+from graphctl.graphs.compiled import is_compiled
 from graphctl.integrations.hf.attention import ATTENTION, PagedBatch, register
 from graphctl.models.mtp import EngineConfig, MTPEngine
 from graphctl.state import Registry, StateSpec, bind
@@ -75,10 +76,12 @@ class HFEngine(MTPEngine):
     """A target and a draft transformers model on two paged KV caches and one bound metadata.
 
     Both models must be built with ``attn_implementation="graphctl_paged"`` (:func:`register`
-    first; :meth:`build` does both). ``draft_len`` 0 is plain decode (:meth:`decode_step`)."""
+    first; :meth:`build` does both). ``draft_len`` 0 is plain decode (:meth:`decode_step`).
+    ``compile=True`` compiles both models' forwards with Inductor (``torch.compile(dynamic=False)``,
+    no Inductor CUDA graphs): graphed, the captured graphs hold the fused kernels."""
 
     def __init__(self, target: Any, draft: Any, *, draft_len: int = 3, block_size: int = 16, max_seqs: int = 8,
-                 max_context: int = 256, spec: StateSpec | None = None) -> None:
+                 max_context: int = 256, spec: StateSpec | None = None, compile: bool = False) -> None:
         for role, m in (("target", target), ("draft", draft)):
             if not uses_paged_attention(m):
                 raise ValueError(f"the {role} model runs attention {m.config._attn_implementation!r}; build it with "
@@ -93,6 +96,8 @@ class HFEngine(MTPEngine):
                                 draft_len=draft_len, dtype=dtype)
         self.device, self.k, self.tp_group = dev, draft_len, None
         self.target_layers, self.draft_layers = target.eval(), draft.eval()
+        if compile:
+            _compile(target, draft)
         blocks = -(-max_context // block_size)
 
         def manager(name: str, model: Any, seed: int) -> KVCacheManager:
@@ -251,6 +256,18 @@ class HFEngine(MTPEngine):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+def _compile(*models: Any) -> None:
+    """Each model's forward compiled by Inductor, one static-shape graph per batch layout (graphctl
+    owns the CUDA graphs: no ``reduce-overhead``). A speculative step calls the target at one
+    layout and the draft at two per bucket, so dynamo's global recompile limit is raised to hold
+    every bucket's graphs (64; a lower limit would leave the rest uncompiled, which graphctl counts)."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 64)
+    for m in models:
+        if not is_compiled(vars(m).get("forward")):
+            m.forward = torch.compile(m.forward, dynamic=False)
 
 
 def _progress(on: bool, total: int) -> Callable[[int], None] | None:
