@@ -950,6 +950,14 @@ CASES: list[Case] = [
         lambda: graphed(lambda x: x, side_effects="undo"),
     ),
     Case(
+        "graph-inductor-cudagraphs",
+        DeclarationError,
+        "declaration",
+        "a forward compiled with mode='reduce-overhead' (Inductor's own CUDA graphs inside graphctl's capture)",
+        lambda: graphed(torch.compile(lambda x: x * 2, mode="reduce-overhead"), buckets=[2], backend="emulated",
+                        progress=False).capture_all(torch.ones(2, 3)),
+    ),
+    Case(
         "capture-side-effects",
         CaptureError,
         "capture",
