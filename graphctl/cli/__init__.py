@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                         "config JSON path, e.g. --hf-config tiny-qwen3 (needs graphctl[transformers])")
     c.add_argument("--compile", action="store_true",
                    help="with --hf-config: compile both models with torch.compile (Inductor, no CUDA graphs of its "
-                        "own) before capture, so the graphs hold the fused kernels (e.g. --hf-config llama-1b --compile)")
+                        "own) before capture, so the graphs hold the fused kernels "
+                        "(e.g. --hf-config llama-1b --compile)")
     c.add_argument("--buckets", type=_buckets, metavar="LIST",
                    help="batch sizes (requests) to capture, e.g. --buckets 1,2,4,8 (default: derived from "
                         "--max-batch: powers of two and the maximum)")
