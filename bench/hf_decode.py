@@ -13,6 +13,11 @@ Each batch size gets a prefilled ``StaticCache`` per variant (same prompt), then
       saved before its warmups and capture and copied back after (what a user must write);
   (d) graphctl with ``check_paths=False``: (b) without the per-replay path check (issue 21).
 
+``--compile``: the model's forward is ``torch.compile(model.forward, dynamic=False)`` (Inductor, no
+CUDA graphs of its own) for every variant, so (b)-(d) capture the same compiled step (issue 28); the
+kernels and Triton kernels each captured graph holds are counted (graphctl's census; the hand-written
+graph read through the same driver calls). Target: (b) <= 1.02 x (c), the same kernel count +- 2.
+
 Timed per step with CUDA events over ``--steps`` steps, the variants interleaved step by step
 (each on its own cache, all advancing in lockstep), median per step. Logits of (b) and (c) are
 compared with (a) at every step. Targets: (d) <= 1.02 x (c) and (b), the path check on,
@@ -20,7 +25,7 @@ compared with (a) at every step. Targets: (d) <= 1.02 x (c) and (b), the path ch
 reported: ``capture_all``'s wall time next to the hand-written capture's, and one eager step
 plain vs under the side-effect tracker (the cost each bucket's first warmup pays).
 
-    python bench/hf_decode.py [--sizes 1 8] [--steps 30] [--layers 22] [--json out.json]
+    python bench/hf_decode.py [--sizes 1 8] [--steps 30] [--layers 22] [--compile] [--json out.json]
 """
 from __future__ import annotations
 
@@ -79,7 +84,7 @@ def hand_written(model, kw, cache, bs):
         for _ in range(2):
             _call(model, kw, static, cache)
     torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
+    g = torch.cuda.CUDAGraph(keep_graph=True)  # kept: its kernels are counted
     with torch.cuda.graph(g, stream=s):
         out = _call(model, kw, static, cache)
     for t, v in zip(_cache_tensors(cache), saved):
@@ -90,7 +95,19 @@ def hand_written(model, kw, cache, bs):
         g.replay()
         return out
 
+    step.graph = g
     return step
+
+
+def _kernels(names: list[str]) -> tuple[int, int]:
+    """(kernels, Triton kernels) among a graph's node names."""
+    return len(names), sum(n.startswith("triton") for n in names)
+
+
+def _hand_kernels(g) -> tuple[int, int]:
+    from graphctl.graphs.backends.cuda_nodes import graph_nodes, read_cuda_nodes
+
+    return _kernels([n.name for n in read_cuda_nodes(graph_nodes(g.raw_cuda_graph()) or []) if n.kind == "kernel"])
 
 
 def _tracker_cost(model, kw, cache, tok, repeats: int = 5) -> tuple[float, float]:
@@ -105,8 +122,8 @@ def _tracker_cost(model, kw, cache, tok, repeats: int = 5) -> tuple[float, float
             t0 = time.perf_counter()
             if name == "plain":
                 _call(model, kw, tok, cache)
-            else:
-                with WriteTracker(watched, set()) as tracker:
+            else:  # as graphctl runs it: force_eager, or dynamo would skip (and on torch 2.11 keep skipping) the frame
+                with torch.compiler.set_stance("force_eager"), WriteTracker(watched, set()) as tracker:
                     _call(model, kw, tok, cache)
                 tracker.undo()
             torch.cuda.synchronize()
@@ -116,8 +133,11 @@ def _tracker_cost(model, kw, cache, tok, repeats: int = 5) -> tuple[float, float
     return statistics.median(out["plain"]), statistics.median(out["tracked"])
 
 
-def run(sizes, steps, layers) -> dict:
+def run(sizes, steps, layers, compile: bool = False) -> dict:
     cfg, model, kw = _model(layers)
+    if compile:  # one compiled step for every variant; graphctl owns the CUDA graphs
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        model.forward = torch.compile(model.forward, dynamic=False)
     rows = []
     for bs in sizes:
         caches = [_prefilled(cfg, model, kw, bs, 16 + steps + 8) for _ in range(4)]
@@ -153,6 +173,8 @@ def run(sizes, steps, layers) -> dict:
             for name in ("graphctl", "hand", "unchecked"):
                 equal[name] &= bool(torch.equal(outs[name], outs["eager"]))
         med = {k: statistics.median(v) for k, v in times.items()}
+        gk = _kernels([n.name for n in gc_step.nodes(bs) if n.kind == "kernel"])
+        hk = _hand_kernels(hand.graph)
         rows.append(dict(bs=bs, eager_us=med["eager"], graphctl_us=med["graphctl"], hand_us=med["hand"],
                          gc_over_hand=med["graphctl"] / med["hand"], eager_over_gc=med["eager"] / med["graphctl"],
                          unchecked_us=med["unchecked"], unchecked_over_hand=med["unchecked"] / med["hand"],
@@ -160,10 +182,13 @@ def run(sizes, steps, layers) -> dict:
                          equal_graphctl=equal["graphctl"], equal_hand=equal["hand"],
                          side_effects=len(gc_step.side_effects),
                          snapshot_bytes=sum(e.nbytes for e in gc_step.side_effects),
-                         capture_s=t1 - t0, hand_capture_s=t2 - t1, step_ms=plain_ms, tracked_step_ms=tracked_ms))
+                         capture_s=t1 - t0, hand_capture_s=t2 - t1, step_ms=plain_ms, tracked_step_ms=tracked_ms,
+                         graphctl_kernels=gk[0], graphctl_triton=gk[1], hand_kernels=hk[0], hand_triton=hk[1],
+                         uncompiled=gc_step.report().uncompiled))
         print(f"bs={bs}: eager {med['eager']:.0f} us, graphctl {med['graphctl']:.0f} us, hand {med['hand']:.0f} us, "
               f"equal graphctl={equal['graphctl']} hand={equal['hand']}", flush=True)
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers, "rows": rows}
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers, "rows": rows,
+            "compile": compile}
 
 
 def main(argv=None) -> int:
@@ -171,6 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--compile", action="store_true", help="every variant runs torch.compile(model.forward)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -181,7 +207,7 @@ def main(argv=None) -> int:
     except ImportError:
         print("bench/hf_decode.py: not run: transformers is not installed (pip install graphctl[transformers])")
         return 0
-    res = run(args.sizes, args.steps, args.layers)
+    res = run(args.sizes, args.steps, args.layers, args.compile)
     print(f"hf_decode: {res['gpu']}, torch {res['torch']}, Llama ~1.1B bf16 ({res['layers']} layers), median us a step")
     print(
         f"{'bs':>4} {'eager':>9} {'graphctl':>9} {'hand':>9} {'gc/hand':>8} {'eager/gc':>9} {'equal':>6} {'effects':>8}"
@@ -195,7 +221,9 @@ def main(argv=None) -> int:
     for r in res["rows"]:
         print(f"bs={r['bs']}: capture_all {r['capture_s']:.2f} s (hand-written capture {r['hand_capture_s']:.2f} s); "
               f"one eager step {r['step_ms']:.1f} ms, under the side-effect tracker {r['tracked_step_ms']:.1f} ms; "
-              f"snapshots {r['snapshot_bytes'] / 2**20:.1f} MiB")
+              f"snapshots {r['snapshot_bytes'] / 2**20:.1f} MiB; kernels graphctl {r['graphctl_kernels']} "
+              f"({r['graphctl_triton']} Triton) vs hand {r['hand_kernels']} ({r['hand_triton']} Triton); "
+              f"compiled frames run uncompiled {r['uncompiled']}")
     worst = max(r["gc_over_hand"] for r in res["rows"])
     off = max(r["unchecked_over_hand"] for r in res["rows"])
     print(f"target graphctl (path check off)/hand <= 1.02: worst {off:.3f} -> {'MET' if off <= 1.02 else 'MISSED'}")

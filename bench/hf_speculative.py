@@ -188,10 +188,12 @@ def _graphctl_variant(row: dict, eng: HFEngine, ps, buckets, args, g: torch.Gene
         fwd = graphctl.graphed(eng.decode_step, buckets=buckets, state=eng.state, inputs=[StaticInput(
             "input_ids")], progress=False, params=eng.named_tensors())
         row["d_graphctl_decode_tps"], row["d_ms_per_step"], _ = _graphctl_tps(eng, ps, args.new, fwd, args.reps)
+        row["d_uncompiled"] = fwd.report().uncompiled  # compiled frames that ran uncompiled in a capture
         return
     fwd = graphed_step(eng, "unrolled", buckets=buckets)
     tps, ms, acc = _graphctl_tps(eng, ps, args.new, fwd, args.reps)
     row[f"e{k}_graphctl_spec_tps"], row[f"e{k}_ms_per_step"], row[f"e{k}_mean_accepted"] = tps, ms, acc
+    row[f"e{k}_uncompiled"] = fwd.report().uncompiled
     ids = torch.randint(0, eng.cfg.vocab, (bs * (k + 1),), generator=g).to(eng.device)
     eng.meta.prepare(eng.state, torch.full((bs,), k + 1, dtype=torch.int32),
                      torch.full((bs,), args.prompt + k + 1, dtype=torch.int32))

@@ -276,6 +276,13 @@ def _passes(p: Passes, arguments: dict[str, Any], sites: list[compiled.Site],
             if bar:
                 bar.update(task, advance=1, description=f"warmup bucket {b}")
         be.synchronize()
+        skipped = compiled.never_compiled(p.fn, sites)  # dynamo holds no code for them: they run uncompiled
+        if skipped:
+            log.warning("graphctl: %s: compiled callables with no compiled code after the warmups (dynamo skips them, "
+                        "e.g. after running under a dispatch mode elsewhere): %s", getattr(p.fn, "__qualname__", p.fn),
+                        ", ".join(skipped))
+        for st in stats.values():
+            st["uncompiled"] = len(skipped)
         # what warmup allocated and kept is library state (cuBLAS workspaces): the audit's "workspace"
         workspaces = tuple(Region(f"warmup allocation of {n} B", "workspace", a, a + n)
                            for a, n in sorted(be.live_blocks() - before))
@@ -286,7 +293,7 @@ def _passes(p: Passes, arguments: dict[str, Any], sites: list[compiled.Site],
             p.load(arguments, fx.n, b)
             dynamo = compiled.Counters.now()
             graphs[b] = _capture_one(p, b, p.call_args(arguments, b), pool, sites)
-            stats[b]["uncompiled"] = compiled.Counters.now().since(dynamo).frames
+            stats[b]["uncompiled"] += compiled.Counters.now().since(dynamo).frames
             if bar:
                 pool_mib = sum(c.graph.pool_bytes for c in graphs.values()) / 2**20
                 bar.update(task, advance=1, description=f"captured bucket {b} "

@@ -38,7 +38,7 @@ from torch._dynamo.utils import counters
 
 from graphctl.errors import DeclarationError
 
-__all__ = ["unwrap", "is_compiled", "eager", "Site", "sites", "Counters", "refuse_inductor_graphs"]
+__all__ = ["unwrap", "is_compiled", "eager", "Site", "sites", "Counters", "refuse_inductor_graphs", "never_compiled"]
 
 _ORIG = "_torchdynamo_orig_callable"  # set by torch.compile on the function it returns
 _MAX_DEPTH = 6
@@ -177,6 +177,25 @@ def refuse_inductor_graphs(fn: Any, found: Iterable[Site]) -> None:
                                    expected="torch.compile without Inductor CUDA graphs (graphctl owns the graphs)",
                                    found="mode='reduce-overhead' (triton.cudagraphs=True)",
                                    fix="compile with mode='default' or mode='max-autotune-no-cudagraphs'")
+
+
+def never_compiled(fn: Any, found: Iterable[Site]) -> list[str]:
+    """Paths of compiled functions whose user code dynamo holds no compiled entry for (after the
+    warmups ran them): dynamo skipped them, and skips them at every later call. Seen on torch 2.11
+    once a compiled frame ran under any dispatch mode: its code is marked skipped for good, so no
+    later call asks dynamo again and :class:`Counters` sees nothing. Compiled modules are not
+    checked here (their entries sit on ``nn.Module``'s shared call code)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    out = []
+    for path, obj in [("forward", fn), *((s.path, s.obj) for s in found)]:
+        if not (isinstance(obj, types.FunctionType) and _ORIG in vars(obj)):
+            continue
+        user = unwrap(obj)
+        code = getattr(user.__func__ if inspect.ismethod(user) else user, "__code__", None)
+        if code is not None and not _debug_get_cache_entry_list(code):
+            out.append(path)
+    return out
 
 
 @dataclasses.dataclass

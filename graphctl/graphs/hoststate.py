@@ -49,7 +49,9 @@ class HostChange:
 HostValues = dict[str, tuple[Any, str, Any, Any]]
 
 
-_OWN = ("graphctl.graphs.", "graphctl.state.")  # modules whose objects are graphctl's machinery, not user state
+# modules whose objects are machinery, not user state: graphctl's own, and dynamo's (a compiled
+# module's dynamo_ctx holds compiler flags that change on first compile)
+_OWN = ("graphctl.graphs.", "graphctl.state.", "torch._dynamo.")
 
 
 def _plain(v: Any) -> bool:

@@ -142,9 +142,7 @@ class GraphRunner:
         """What the forward writes that graphctl does not own (see ``graphs/effects.py``)."""
         return self._ledger.effects
 
-    @property
-    def side_effect_policy(self) -> str:
-        return self._ledger.policy
+    side_effect_policy = property(lambda self: self._ledger.policy)
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         """A decorated method gets one runner per instance (its own graphs, inputs and state)."""
@@ -381,32 +379,27 @@ class GraphRunner:
     def static_input(self, name: str) -> torch.Tensor:  # the static buffer behind input name
         return next(slot.static for slot in self._captured_or_raise("static_input").slots if slot.spec.name == name)
 
-    def measure(self, iters: int = 20) -> GraphRunner:
-        """Median µs of the graphed call and of the eager forward per bucket (``graphs/measure.py``)."""
+    def measure(self, iters: int = 20) -> GraphRunner:  # median µs, graphed call and eager forward (graphs/measure.py)
         self._captured_or_raise("measure()")
         _measure.measure(self, iters)
         return self
 
     def coverage(self, sizes: Any = None) -> dict[int, str]:
-        """For each batch size ``n`` (default 1 .. the largest bucket, capped at the example's
-        items), what served a call on the example's first ``n`` items: ``"bucket B"``,
-        ``"eager: <reason>"`` (a fallback) or ``"error: <message>"``."""
+        """Per batch size ``n`` (default 1 .. largest bucket, capped at the example's items), what served a call
+        on the example's first ``n`` items: ``"bucket B"``, ``"eager: <reason>"`` or ``"error: <message>"``."""
         self._captured_or_raise("coverage()")
         return _measure.coverage(self, sizes)
 
     def verify(self, **options: Any) -> tuple[VerifyResult, ...]:
-        """Eager against replay per bucket, on fresh random inputs with outputs and padding
-        poisoned first; see :func:`graphctl.graphs.analysis.verify.verify` (``gen``, ``rtol``, ``atol``)."""
+        """Eager against replay per bucket, outputs and padding poisoned (``analysis/verify.py``: gen, rtol, atol)."""
         self._captured_or_raise("verify()")
         return _verify(self, **options)
 
     def audit(self, params: Any = None, confirm: bool = False) -> dict[int, Audit]:
-        """Per bucket, the pointer and segment audits (``graphs/analysis/audit.py``). ``params``: the
-        model tensors the forward reads (an ``nn.Module``, a name -> tensor mapping or an
-        iterable); default the runner's ``params=``, or the module a decorated method is bound to.
-        ``confirm``: settle each *possible* dangling finding by replaying with its freed block
-        poisoned (``graphs/analysis/confirm.py``): confirmed ones become errors, harmless ones move
-        to ``Audit.dropped``; the caller's state is put back."""
+        """Per bucket, the pointer and segment audits (``graphs/analysis/audit.py``). ``params``: the model
+        tensors the forward reads (module, mapping or iterable; default ``params=`` or a decorated method's
+        module). ``confirm``: replay with each possible finding's freed block poisoned (``analysis/confirm.py``):
+        confirmed ones become errors, harmless ones move to ``Audit.dropped``; the caller's state is put back."""
         owner = self.fn.__self__ if inspect.ismethod(self.fn) else None  # a decorated module's method
         model = param_tensors(params if params is not None else self.params if self.params is not None
                               else owner if isinstance(owner, torch.nn.Module) else None)
@@ -416,34 +409,28 @@ class GraphRunner:
                               params=model) for b in self.captured}
         if guard is None:
             return out
-        be = self._fixed.backend
         with guard:
-            return {b: _confirm(a, self.graph(b), replay=lambda: self._replay(self._graphs[b]), sync=be.synchronize,
+            return {b: _confirm(a, self.graph(b), replay=lambda: self._replay(self._graphs[b]),
+                                sync=self._fixed.backend.synchronize,
                                 observed=lambda: self.outputs(b) + [t for *_, t in self.written(b)],
                                 restore=guard.restore) for b, a in out.items()}
 
     def known_tensors(self, bucket: int) -> list[tuple[str, str, torch.Tensor]]:
-        """``(kind, name, tensor)`` of the memory the runner itself knows for ``bucket``: the
-        state's buffers and twins, its snapshot arenas, static inputs and outputs, frozen
-        tensor arguments (the audit's named regions)."""
+        """``(kind, name, tensor)`` the runner knows for ``bucket``: the audit's named regions."""
         return self._captured_or_raise("known_tensors").known_tensors(self.state, self.outputs(bucket))
 
     def nodes(self, bucket: int) -> list[Node]:
-        """Every node of ``bucket``'s graph in capture order (CUDA: kernels with names, launch
-        shapes and argument addresses; emulated: recorded ops)."""
+        """``bucket``'s nodes in capture order (CUDA: kernels, launch shapes, argument addresses; emulated: ops)."""
         return self.graph(bucket).nodes()
 
-    def census(self, bucket: int) -> dict[str, dict[str, int]]:
-        """Node counts by type and by kernel (or op) name."""
+    def census(self, bucket: int) -> dict[str, dict[str, int]]:  # node counts by type and kernel (or op) name
         return census(self.nodes(bucket))
 
     def dot(self, bucket: int, path: str) -> None:
         """Write ``bucket``'s graph as Graphviz DOT (CUDA only: ``cudaGraphDebugDotPrint``)."""
-        name = self._fixed.backend.name if self._fixed is not None else None
-        if name != "cuda":
-            raise ReplayError("DOT export needs a CUDA graph", expected="backend 'cuda'",
-                              found=name or "nothing captured",
-                              fix="capture on a GPU (backend='cuda'); emulated graphs have nodes() instead")
+        if (name := self._fixed.backend.name if self._fixed is not None else None) != "cuda":
+            raise ReplayError("DOT export needs a CUDA graph", expected="backend 'cuda'", found=name or "nothing "
+                              "captured", fix="capture on a GPU (backend='cuda'); emulated graphs have nodes() instead")
         self.graph(bucket).dot(path)
 
     def report(self) -> Report:
@@ -451,13 +438,13 @@ class GraphRunner:
         be = self._fixed.backend if self._fixed is not None else None
         rows = tuple(BucketReport(b, c.capture_ms, c.graph.pool_bytes, c.graph.node_count, c.replay_us, c.eager_us,
                                   c.replays, c.segments, c.eager_runs) for b, c in sorted(self._graphs.items()))
-        device = str(be.device) if be is not None else "-"
-        if be is not None and be.device.type == "cuda":
-            device = f"{device} ({torch.cuda.get_device_name(be.device)})"
-        effects = tuple({**dataclasses.asdict(e), "policy": self.side_effect_policy} for e in self.side_effects)
-        host = tuple({**dataclasses.asdict(h), "policy": self.host_state} for h in self.host_changes)
-        hazards = tuple(dataclasses.asdict(h) for h in self._ledger.hazards.values())
+        device = "-" if be is None else str(be.device) + (
+            f" ({torch.cuda.get_device_name(be.device)})" if be.device.type == "cuda" else "")
+        asdict = dataclasses.asdict
         return Report(getattr(self.fn, "__qualname__", repr(self.fn)), be.name if be is not None else "-", device,
-                      torch.__version__, rows, dict(self._fallbacks), effects, self._streak,
-                      bool(self._graphs) and 0 < knobs.bypass_window <= self._streak, host, hazards,
-                      tuple(dataclasses.asdict(u) for u in self._ledger.unreached), *self._compiled)
+                      torch.__version__, rows, dict(self._fallbacks),
+                      tuple({**asdict(e), "policy": self.side_effect_policy} for e in self.side_effects), self._streak,
+                      bool(self._graphs) and 0 < knobs.bypass_window <= self._streak,
+                      tuple({**asdict(h), "policy": self.host_state} for h in self.host_changes),
+                      tuple(asdict(h) for h in self._ledger.hazards.values()),
+                      tuple(asdict(u) for u in self._ledger.unreached), *self._compiled)

@@ -134,3 +134,19 @@ def test_a_frame_dynamo_converts_during_capture_is_counted_and_warned(gen, caplo
     rep = f.report()
     assert rep.uncompiled >= 1 and "compiled frames run uncompiled: " in str(rep), str(rep)
     assert any("during the capture" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_compiled_function_dynamo_skips_for_good_is_counted(gen, caplog):
+    # Regression: issue 28 on the H200 (torch 2.11), a compiled forward run once under a dispatch mode elsewhere was
+    # skipped by dynamo at every later call, and no frame conversion showed it; graphctl reported 0 uncompiled.
+    w = torch.randn(6, 5, generator=gen)
+
+    def fwd(x):
+        return torch.tanh(x @ w)
+
+    cf = torch.compile(fwd, backend="aot_eager", dynamic=False)
+    torch._dynamo.eval_frame.skip_code(fwd.__code__)  # what torch 2.11 does to a frame met under a dispatch mode
+    f = graphctl.graphed(cf, buckets=[2], backend="emulated", progress=False)
+    with caplog.at_level(logging.WARNING, logger="graphctl"):
+        f.capture_all(torch.randn(2, 6, generator=gen))
+    assert f.report().uncompiled == 1 and "no compiled code after the warmups" in caplog.text, caplog.text

@@ -99,8 +99,8 @@ def test_side_effects_error_names_the_cache_tensors_and_the_transformers_line():
 
 
 def test_a_compiled_model_decode_under_graphed_equals_eager():
-    # Issue 15: a decode step of a torch.compile'd model under @graphed (on the CPU through aot_eager: inductor's
-    # C++ kernels are invisible to the dispatcher-level recorder, it sees their graph's inputs only).
+    # Issue 15: a decode step of a torch.compile'd model under @graphed (on the CPU through aot_eager). Since issue 28
+    # the compiled artifact itself runs (recorded as one call), so K/V match eager to rounding, not bitwise.
     cfg, model = _model()
     cache, ref = _prefilled(cfg, model), _prefilled(cfg, model)
     kw = _cache_kw()
@@ -121,7 +121,11 @@ def test_a_compiled_model_decode_under_graphed_equals_eager():
             warnings.simplefilter("ignore", FutureWarning)
             want = model(tok, **{kw: ref}, use_cache=True).logits
         torch.testing.assert_close(f(tok).clone(), want, rtol=1e-5, atol=1e-5)
-    assert _same(cache, ref)
+    for x, y in zip(cache.layers, ref.layers):
+        assert torch.equal(x.cumulative_length, y.cumulative_length)
+        torch.testing.assert_close(x.keys, y.keys, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x.values, y.values, rtol=1e-5, atol=1e-6)
+    assert f.report().compiled == ("compiled",) and f.report().uncompiled == 0
 
 
 def _views(cfg, big, sizes):
