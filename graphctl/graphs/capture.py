@@ -14,7 +14,9 @@ example call at ``capture_all``, dropped by ``reset()``; before it exists nothin
    from the caller's state again, segments marked at every switch boundary.
 
 The caller's state (declared buffers and side effects) is handed back as it was found, on
-success and on any exception.
+success and on any exception. Compiled forwards (``graphs/compiled.py``): the tracked run goes
+under the ``force_eager`` stance, every bucket gets at least one compiling warmup, and dynamo's
+work is counted per bucket (a frame it must convert during a capture ran uncompiled).
 """
 from __future__ import annotations
 
