@@ -172,3 +172,22 @@ def test_buckets_larger_than_the_engine_are_a_clear_error_before_anything_runs(g
     with pytest.raises(graphctl.DeclarationError, match="largest bucket does not fit") as info:
         eng.generate(hf.prompts(3, gen), 6, forward=step)
     assert "capture buckets up to 4" in str(info.value) and not step.captured
+
+
+def test_compiled_engine_graphed_equals_eager_and_reports_no_weight(gen):
+    # Regression: issue 28, a compiled HF model under graphctl ran uncompiled, and its unreached-tensor report listed
+    # every weight (one ~100 kB warning line).
+    torch._dynamo.reset()
+    eng = HFEngine.build(hf_config("tiny-llama"), draft_len=1, max_seqs=2, device="cpu", compile="aot_eager")
+    ref = HFEngine.build(hf_config("tiny-llama"), draft_len=1, max_seqs=2, device="cpu")
+    prompts = [torch.randint(3, eng.cfg.vocab, (n,), generator=gen) for n in (5, 7)]
+    step = graphed_step(eng, mode="unrolled", buckets=[2], backend="emulated")
+    got = eng.generate(prompts, 4, forward=step)
+    want = ref.generate(prompts, 4)
+    assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
+    rep = step.report()
+    assert set(rep.compiled) == {"self.target_layers.forward", "self.draft_layers.forward"}, rep.compiled
+    assert rep.uncompiled == 0 and rep.unreached == () and rep.host_changes == (), rep
+    names = step.graph(2).op_names()  # each model's compiled call recorded whole (the draft once per draft step)
+    assert names.count("compiled:self.target_layers.forward") == 1 and "compiled:self.draft_layers.forward" in names
+    torch._dynamo.reset()

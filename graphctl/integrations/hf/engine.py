@@ -78,10 +78,11 @@ class HFEngine(MTPEngine):
     Both models must be built with ``attn_implementation="graphctl_paged"`` (:func:`register`
     first; :meth:`build` does both). ``draft_len`` 0 is plain decode (:meth:`decode_step`).
     ``compile=True`` compiles both models' forwards with Inductor (``torch.compile(dynamic=False)``,
-    no Inductor CUDA graphs): graphed, the captured graphs hold the fused kernels."""
+    no Inductor CUDA graphs): graphed, the captured graphs hold the fused kernels; a string names
+    another ``torch.compile`` backend (``"aot_eager"``: quick on a CPU)."""
 
     def __init__(self, target: Any, draft: Any, *, draft_len: int = 3, block_size: int = 16, max_seqs: int = 8,
-                 max_context: int = 256, spec: StateSpec | None = None, compile: bool = False) -> None:
+                 max_context: int = 256, spec: StateSpec | None = None, compile: bool | str = False) -> None:
         for role, m in (("target", target), ("draft", draft)):
             if not uses_paged_attention(m):
                 raise ValueError(f"the {role} model runs attention {m.config._attn_implementation!r}; build it with "
@@ -97,7 +98,7 @@ class HFEngine(MTPEngine):
         self.device, self.k, self.tp_group = dev, draft_len, None
         self.target_layers, self.draft_layers = target.eval(), draft.eval()
         if compile:
-            _compile(target, draft)
+            _compile(target, draft, backend="inductor" if compile is True else compile)
         blocks = -(-max_context // block_size)
 
         def manager(name: str, model: Any, seed: int) -> KVCacheManager:
@@ -258,7 +259,7 @@ class HFEngine(MTPEngine):
         return time.perf_counter()
 
 
-def _compile(*models: Any) -> None:
+def _compile(*models: Any, backend: str) -> None:
     """Each model's forward compiled by Inductor, one static-shape graph per batch layout (graphctl
     owns the CUDA graphs: no ``reduce-overhead``). A speculative step calls the target at one
     layout and the draft at two per bucket, so dynamo's global recompile limit is raised to hold
@@ -267,7 +268,7 @@ def _compile(*models: Any) -> None:
     cfg.recompile_limit = max(cfg.recompile_limit, 64)
     for m in models:
         if not is_compiled(vars(m).get("forward")):
-            m.forward = torch.compile(m.forward, dynamic=False)
+            m.forward = torch.compile(m.forward, backend=backend, dynamic=False)
 
 
 def _progress(on: bool, total: int) -> Callable[[int], None] | None:
