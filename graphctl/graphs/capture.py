@@ -316,8 +316,14 @@ def _tracked_warmup(p: Passes, arguments: dict[str, Any], call: tuple[tuple, dic
     known = len(p.ledger.hazards)
 
     def run() -> Any:
-        with compiled.eager():  # dynamo never meets the tracker's dispatch mode (compiled.py)
-            return be.warmup(lambda: p.fn(*call[0], **call[1]))
+        stance = None
+        try:
+            stance = compiled.eager()  # dynamo never meets the tracker's dispatch mode (compiled.py)
+            with stance:
+                return be.warmup(lambda: p.fn(*call[0], **call[1]))
+        finally:  # again: an interrupt at the with-statement's exit skips its __exit__ (harmless twice)
+            if stance is not None:
+                stance.__exit__(None, None, None)
 
     pairs = p.ledger.track(run,
                            reachable(roots_of(p.fn, arguments, p.params)), owned, be.synchronize, padded)

@@ -67,9 +67,11 @@ def unwrap(fn: Any) -> Any:
     return fn
 
 
-def eager() -> contextlib.AbstractContextManager[Any]:
+def eager() -> Any:
     """Compiled code runs as plain Python, and dynamo is not asked (nothing is compiled or
-    marked): the stance of graphctl's dispatch-mode runs."""
+    marked): the stance of graphctl's dispatch-mode runs. torch applies it when it is made; a
+    context manager, whose ``__exit__`` puts the previous stance back and may run again from a
+    ``finally`` (an interrupt at a with-statement's exit can skip the first)."""
     return torch.compiler.set_stance("force_eager")
 
 
@@ -139,6 +141,7 @@ def sites(fn: Any, roots: Iterable[tuple[str, Any]]) -> list[Site]:
 
     for name, root, get, put in _holders(fn, roots):
         visit(name, root, 0, get, put)
+    visit = None  # noqa: F841 - break the function <-> cell cycle, as the other walkers do
     return list(out.values())
 
 

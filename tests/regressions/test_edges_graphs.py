@@ -341,10 +341,13 @@ def _modes_left() -> str:
     if _LooksLikeCapture._lock.locked():
         left.append("_LooksLikeCapture lock held")
         _LooksLikeCapture._lock.release()
+    if (stance := torch._dynamo.eval_frame._stance.stance) != "default":  # issue 28: force_eager left behind
+        left.append(f"dynamo stance {stance}")
+        torch.compiler.set_stance("default")
     return ", ".join(left)
 
 
-@pytest.mark.parametrize("where", ["backend", "tracker"])
+@pytest.mark.parametrize("where", ["backend", "tracker", "compiled"])
 def test_ctrl_c_at_any_line_of_a_capture_leaves_no_dispatch_mode_or_capture_flag_behind(gen, where):
     # Session 5 flaky CI test: a Ctrl-C at the exit of `with recording(), _LooksLikeCapture(), rec:` (or of the
     # write tracker's with) skipped the innermost __exit__, leaving the recorder on the dispatch-mode stack (every
@@ -360,11 +363,26 @@ def test_ctrl_c_at_any_line_of_a_capture_leaves_no_dispatch_mode_or_capture_flag
 
         def run(at):
             return call_interrupted(lambda: be.capture(lambda mark: x * 2 + 1, None, 1), at, files)
-    else:  # every line of the tracked warmup's own function, in a real capture_all
+    elif where == "tracker":  # every line of the tracked warmup's own function and of capture.py, in a capture_all
+        capture_file = os.path.join("graphctl", "graphs", "capture.py")
+
         def run(at):
             meta, st, r = _lens_runner(torch.Generator().manual_seed(5), buckets=(4,))
             x = torch.randn(4, 3, generator=torch.Generator().manual_seed(6))
-            return call_interrupted(lambda: r.capture_all(x, meta), at, (Ledger.track.__code__,))
+            return call_interrupted(lambda: r.capture_all(x, meta), at, (Ledger.track.__code__, capture_file))
+    else:  # issue 28: a capture recording a compiled call (its site rerouted, dynamo's stance forced) at every line
+        from graphctl.graphs import compiled
+
+        be, x = EmulatedBackend(torch.device("cpu")), torch.randn(4, generator=gen)
+        cf = torch.compile(lambda t: t * 2 + 1, backend="eager")
+        holder = {"f": cf}
+        sites = compiled.sites(None, [("holder", holder)])
+        files = (os.path.join("graphctl", "graphs") + os.sep, os.path.join("graphctl", "state") + os.sep)
+
+        def run(at):
+            out = call_interrupted(lambda: be.capture(lambda mark: holder["f"](x), None, 1, sites), at, files)
+            assert holder["f"] is cf, f"Ctrl-C at {out[1]} left the compiled site rerouted: {holder['f']}"
+            return out
     points = 0
     for at in range(1, 2000):
         out, line = run(at)

@@ -29,7 +29,6 @@ under the ``force_eager`` stance, so dynamo never meets the recorder.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import threading
@@ -108,7 +107,7 @@ class _Recorder(TorchDispatchMode):
         def call(*args: Any, **kwargs: Any) -> Any:
             with _pop_mode_temporarily() as mode, _compiled.compiled_stance():
                 if mode is not self:  # another mode entered inside the forward: no opaque call under it
-                    raise CaptureError("a dispatch mode inside the forward encloses a compiled call",
+                    raise CaptureError("a dispatch mode inside the forward encloses a compiled call", buffer=name,
                                        expected="no TorchDispatchMode entered inside the captured forward",
                                        found=type(mode).__name__, fix="enter the mode outside the graphed call")
                 out = fn(*args, **kwargs)
@@ -344,19 +343,31 @@ class _LooksLikeCapture:
         self.__exit__(None, None, None)
 
 
-@contextlib.contextmanager
-def _rerouted(sites: Sequence[Any], rec: _Recorder):
-    """Each compiled site rebound to ``rec``'s opaque call for the capture, put back after it."""
-    done = []
-    try:
+class _Rerouted:
+    """Each compiled site rebound to ``rec``'s opaque call for the capture; :meth:`leave` puts them
+    back and may run any number of times (a ``finally`` calls it: an interrupt between two lines
+    of a with-statement's exit could skip an ``__exit__``). A site is listed before it is rebound."""
+
+    def __init__(self, rec: _Recorder) -> None:
+        self._rec, self._done = rec, []
+
+    def enter(self, sites: Sequence[Any]) -> None:
         for s in sites:
             original = s.get()
-            s.put(rec.opaque(original, f"compiled:{s.path}"))
-            done.append((s, original))
-        yield
-    finally:
-        for s, original in reversed(done):
+            self._done.append((s, original))
+            s.put(self._rec.opaque(original, f"compiled:{s.path}"))
+
+    def __enter__(self) -> _Rerouted:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.leave()
+
+    def leave(self) -> None:
+        while self._done:
+            s, original = self._done[-1]
             s.put(original)
+            self._done.pop()
 
 
 class EmulatedBackend:
@@ -391,14 +402,21 @@ class EmulatedBackend:
         """Record ``body(mark)``, where ``mark()`` is the number of ops recorded so far; each of
         ``compiled`` (``graphs/compiled.py`` sites) is recorded as one call."""
         rec, looks = _Recorder(), _LooksLikeCapture()
-        self._rec = rec
+        self._rec, stance, route = rec, None, _Rerouted(rec)
         try:
             try:
-                with recording(), looks, _compiled.eager(), _rerouted(compiled, rec), rec:
-                    out = body(lambda: len(rec.ops))
+                stance = _compiled.eager()  # applied when made; leaving it again is harmless
+                with stance, route:  # left on exit and again below: an interrupt may skip one of the two
+                    route.enter(compiled)
+                    with recording(), looks, rec:
+                        out = body(lambda: len(rec.ops))
             finally:  # an interrupt at the with-statement's exit skips the innermost __exit__ calls
                 drop_mode(rec)
                 looks.leave()
+                route.leave()
+                if stance is not None:
+                    stance.__exit__(None, None, None)
+                self._rec = None
         except CaptureError as exc:
             exc.add_note(f"graphctl: capture of bucket {bucket} dropped; nothing replayable was kept")
             raise
