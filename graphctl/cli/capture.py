@@ -256,9 +256,7 @@ def run_capture(args) -> int:
         con.print(escape(f"host state changed by warmup/capture ({h['policy']}): {h['path']} {h['before']!r} -> "
                          f"{h['after']!r}"))
     if report.compiled:
-        con.print(escape(f"compiled: {', '.join(report.compiled)}; graphs compiled in warmup per bucket: " +
-                         ", ".join(f"{b}: {st['warmup_graphs']}" for b, st in sorted(report.compile.items())) +
-                         f"; graph breaks: {sum(st['breaks'] for st in report.compile.values())}"))
+        con.print(escape(report.compile_summary))
         line = f"compiled frames run uncompiled: {report.uncompiled}"
         con.print(f"[red]{line}" if report.uncompiled else line)
     if report.bypassed:

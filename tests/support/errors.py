@@ -391,6 +391,22 @@ def _write_refresh():
 
 T = torch.zeros
 I32 = torch.int32
+def _mode_around_compiled() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Logging(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    holder = {"double": torch.compile(lambda t: t * 2, backend="eager")}
+
+    def fwd(x):
+        with Logging():
+            return holder["double"](x)
+
+    graphed(fwd, buckets=[2], backend="emulated", progress=False).capture_all(torch.ones(2, 3))
+
+
 CASES: list[Case] = [
     # ---- declaration errors (StateSpec / register)
     Case(
@@ -956,6 +972,13 @@ CASES: list[Case] = [
         "a forward compiled with mode='reduce-overhead' (Inductor's own CUDA graphs inside graphctl's capture)",
         lambda: graphed(torch.compile(lambda x: x * 2, mode="reduce-overhead"), buckets=[2], backend="emulated",
                         progress=False).capture_all(torch.ones(2, 3)),
+    ),
+    Case(
+        "capture-mode-around-compiled",
+        CaptureError,
+        "capture",
+        "a TorchDispatchMode entered inside the forward around a compiled call (emulated backend)",
+        _mode_around_compiled,
     ),
     Case(
         "capture-side-effects",

@@ -91,6 +91,13 @@ class Report:
         """Compiled frames run uncompiled during the capture pass, over every bucket."""
         return sum(st.get("uncompiled", 0) for st in self.compile.values())
 
+    @property
+    def compile_summary(self) -> str:
+        """One line: the compiled callables, graphs compiled in each bucket's warmups, graph breaks."""
+        per = ", ".join(f"{b}: {st['warmup_graphs']}" for b, st in sorted(self.compile.items()))
+        return (f"compiled: {', '.join(self.compiled)}; graphs compiled in warmup per bucket: {per}; graph breaks: "
+                f"{sum(st['breaks'] for st in self.compile.values())}")
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["schema"] = SCHEMA
@@ -122,9 +129,7 @@ class Report:
             buf.write(f"warning: the last {self.eager_streak} calls all ran eagerly: the graphs are captured but "
                       "bypassed (see the fallbacks below)\n")
         if self.compiled:
-            per = ", ".join(f"{b}: {st['warmup_graphs']}" for b, st in sorted(self.compile.items()))
-            buf.write(f"compiled: {', '.join(self.compiled)}; graphs compiled in warmup per bucket: {per}; "
-                      f"compiled frames run uncompiled: {self.uncompiled}\n")
+            buf.write(f"{self.compile_summary}; compiled frames run uncompiled: {self.uncompiled}\n")
         if self.fallbacks:
             buf.write("eager fallbacks: " + "; ".join(f"{r} (x{c})" for r, c in self.fallbacks.items()) + "\n")
         for z in self.padding_hazards:
