@@ -110,6 +110,34 @@ def _hand_kernels(g) -> tuple[int, int]:
     return _kernels([n.name for n in read_cuda_nodes(graph_nodes(g.raw_cuda_graph()) or []) if n.kind == "kernel"])
 
 
+def _path_check_cost(step, tok, repeats: int = 500) -> tuple[float, bool, str]:
+    """(median µs of the per-replay path check on this call, whether its compiled fast form passes,
+    the first path the fast form rejects and why): the cost (b) pays over (d), read directly."""
+    from graphctl.graphs.rebinding import first_moved
+
+    paths, args = step._paths, (tok,)
+    if not paths:
+        return 0.0, True, ""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        first_moved(paths, args, {})
+        times.append((time.perf_counter() - t0) * 1e6)
+    why = ""
+    for c in paths:  # the fast form's test, path by path
+        v = c.root(args, {})
+        try:
+            for is_attr, k in c.steps:
+                v = getattr(v, k) if is_attr else v[k]
+        except (AttributeError, IndexError, KeyError, TypeError) as e:
+            why = f"{c.path}: {type(e).__name__}"
+            break
+        if v is not c.tensor() or v.data_ptr() != c.ptr:
+            why = f"{c.path}: {'another object' if v is not c.tensor() else 'moved'}"
+            break
+    return statistics.median(times), paths.fast(args, {}), why
+
+
 def _tracker_cost(model, kw, cache, tok, repeats: int = 5) -> tuple[float, float]:
     """Median ms of one eager step plain and under the side-effect tracker (what each bucket's
     first warmup pays), the cache restored after each."""
@@ -158,6 +186,7 @@ def run(sizes, steps, layers, compile: bool = False) -> dict:
                                      progress=False, check_paths=False)
         unchecked.capture_all(first)
         plain_ms, tracked_ms = _tracker_cost(model, kw, caches[0], first)
+        check_us, fast_ok, fast_why = _path_check_cost(gc_step, first)
         times = {"eager": [], "graphctl": [], "hand": [], "unchecked": []}
         equal = {"graphctl": True, "hand": True, "unchecked": True}
         for _ in range(steps):
@@ -184,7 +213,8 @@ def run(sizes, steps, layers, compile: bool = False) -> dict:
                          snapshot_bytes=sum(e.nbytes for e in gc_step.side_effects),
                          capture_s=t1 - t0, hand_capture_s=t2 - t1, step_ms=plain_ms, tracked_step_ms=tracked_ms,
                          graphctl_kernels=gk[0], graphctl_triton=gk[1], hand_kernels=hk[0], hand_triton=hk[1],
-                         uncompiled=gc_step.report().uncompiled))
+                         uncompiled=gc_step.report().uncompiled, path_check_us=check_us, path_fast=fast_ok,
+                         path_fast_fails=fast_why))
         print(f"bs={bs}: eager {med['eager']:.0f} us, graphctl {med['graphctl']:.0f} us, hand {med['hand']:.0f} us, "
               f"equal graphctl={equal['graphctl']} hand={equal['hand']}", flush=True)
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers, "rows": rows,
@@ -223,7 +253,9 @@ def main(argv=None) -> int:
               f"one eager step {r['step_ms']:.1f} ms, under the side-effect tracker {r['tracked_step_ms']:.1f} ms; "
               f"snapshots {r['snapshot_bytes'] / 2**20:.1f} MiB; kernels graphctl {r['graphctl_kernels']} "
               f"({r['graphctl_triton']} Triton) vs hand {r['hand_kernels']} ({r['hand_triton']} Triton); "
-              f"compiled frames run uncompiled {r['uncompiled']}")
+              f"compiled frames run uncompiled {r['uncompiled']}; path check {r['path_check_us']:.1f} us a call over "
+              f"{r['paths_checked']} paths (fast form passes: {r['path_fast']}"
+              f"{', ' + r['path_fast_fails'] if r['path_fast_fails'] else ''})")
     worst = max(r["gc_over_hand"] for r in res["rows"])
     off = max(r["unchecked_over_hand"] for r in res["rows"])
     print(f"target graphctl (path check off)/hand <= 1.02: worst {off:.3f} -> {'MET' if off <= 1.02 else 'MISSED'}")
