@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from graphctl import ops
 from graphctl.errors import DeclarationError, ReplayError
 from graphctl.graphs.compiled import unwrap
 from graphctl.graphs.effects import storage_key
@@ -42,17 +43,35 @@ class PathCheck:
     shared: int = 0  # leading steps shared with the previous check of the same root (compiled: resolved once)
     tensor: Any = None  # a weak reference to the capture's tensor (a strong one would hide a freed temporary
     # from the audit, which names it dangling)
+    source: Any = None  # the root for the native check: a cell, (constant,), (dict, key), or ``root`` itself
 
 
 class Paths(list):
-    """The checks in walk order, with ``fast``: the whole walk compiled to one straight-line
-    function that says whether every path still leads to its tensor (each shared prefix resolved
-    once, each leaf compared by identity through a weak reference, and by address). A model's
-    cache has dozens of paths (``cache.layers[i].keys``): walked in a Python loop they cost
-    ~0.5 µs each on a CPU core, compiled a fifth of that. :func:`first_moved` walks plainly only
-    when the compiled check fails, to name the path."""
+    """The checks in walk order, with :meth:`fast`: whether every path still leads to its tensor
+    (each shared prefix resolved once, each leaf compared by identity through a weak reference,
+    and by address), in one C call (``graphctl._C.paths_hold`` over ``program``) or, without the
+    extension, one straight-line Python function (``walk``, its reference). A model's cache has
+    dozens of paths (``cache.layers[i].keys``): on the H200 host between synchronized steps 66 of
+    them cost ~70 µs as compiled Python against 9 µs in a tight loop (cold caches), which a bare
+    ``@graphed`` decode step pays before every replay. :func:`first_moved` walks plainly only when
+    the fast check fails, to name the path."""
 
-    fast: Callable[[tuple, dict], bool]
+    program: tuple
+    walk: Callable[[tuple, dict], bool]
+
+    def fast(self, args: tuple, kwargs: dict) -> bool:
+        return ops.paths_hold(self.program, args, kwargs, self.walk)
+
+
+def _program(checks: list[PathCheck]) -> tuple:
+    """The checks as ``graphctl._C.paths_hold`` reads them (csrc/path_check.cpp)."""
+    out, root = [], None
+    for c in checks:
+        first = c.root is not root
+        root = c.root
+        keep = 0 if first else c.shared
+        out.append((c.source if first else None, keep, tuple(c.steps[keep:]), c.tensor, c.ptr))
+    return tuple(out)
 
 
 def _compile(checks: list[PathCheck]) -> Callable[[tuple, dict], bool]:
@@ -87,13 +106,14 @@ def _compile(checks: list[PathCheck]) -> Callable[[tuple, dict], bool]:
 
 
 def _roots(fn: Callable[..., Any], get_arg: Callable[[tuple, dict, str], Any], names: list[str],
-           params: Any) -> list[tuple[str, Callable[[tuple, dict], Any], Any]]:
-    """(name, getter at call time, value now) of what ``fn`` reaches (as ``effects.roots_of``)."""
-    out: list[tuple[str, Callable[[tuple, dict], Any], Any]] = []
+           params: Any) -> list[tuple[str, Callable[[tuple, dict], Any], Any, Any]]:
+    """(name, getter at call time, value now, native source) of what ``fn`` reaches (as
+    ``effects.roots_of``)."""
+    out: list[tuple[str, Callable[[tuple, dict], Any], Any, Any]] = []
     target = unwrap(fn)
     if inspect.ismethod(target):
         me = target.__self__
-        out.append(("self", lambda a, k, me=me: me, me))
+        out.append(("self", lambda a, k, me=me: me, me, (me,)))
         target = target.__func__
     code = getattr(target, "__code__", None)
     if code is not None:
@@ -102,13 +122,13 @@ def _roots(fn: Callable[..., Any], get_arg: Callable[[tuple, dict, str], Any], n
                 value = cell.cell_contents
             except ValueError:
                 continue
-            out.append((name, lambda a, k, cell=cell: cell.cell_contents, value))
+            out.append((name, lambda a, k, cell=cell: cell.cell_contents, value, cell))
         g = getattr(target, "__globals__", {})
         for name in code.co_names:
             if name in g and not isinstance(g[name], types.ModuleType):
-                out.append((name, lambda a, k, g=g, name=name: g[name], g[name]))
+                out.append((name, lambda a, k, g=g, name=name: g[name], g[name], (g, name)))
     if params is not None:
-        out.append(("params", lambda a, k, p=params: p, params))
+        out.append(("params", lambda a, k, p=params: p, params, (params,)))
     return out
 
 
@@ -116,10 +136,14 @@ def collect(fn: Callable[..., Any], arguments: dict[str, Any], get_arg: Callable
             params: Any, used: set, owned: set) -> list[PathCheck]:
     """The paths to re-check at every replay: tensors the warmup used (storage keys in ``used``)
     that graphctl does not own, reached through arguments, ``self``, closures and named globals."""
-    roots = [(n, (lambda a, k, n=n: get_arg(a, k, n)), v) for n, v in arguments.items()]
+    roots = []
+    for n, v in arguments.items():
+        getter = lambda a, k, n=n: get_arg(a, k, n)  # noqa: E731
+        roots.append((n, getter, v, getter))
     roots += _roots(fn, get_arg, list(arguments), params)
     found: dict[tuple[str, int], PathCheck] = {}
     seen: set[int] = set()
+    sources = {id(getter): source for _, getter, _, source in roots}
 
     def visit(path: str, root: Callable, steps: tuple, v: Any, depth: int) -> None:
         if isinstance(v, torch.Tensor):
@@ -127,7 +151,8 @@ def collect(fn: Callable[..., Any], arguments: dict[str, Any], get_arg: Callable
                 return
             key = storage_key(v)
             if key in used and key not in owned and key not in found:
-                found[key] = PathCheck(path, root, steps, v.data_ptr(), tuple(v.shape), tensor=weakref.ref(v))
+                found[key] = PathCheck(path, root, steps, v.data_ptr(), tuple(v.shape), tensor=weakref.ref(v),
+                                       source=sources[id(root)])
             return
         if depth > _MAX_DEPTH or id(v) in seen or isinstance(v, (str, bytes, int, float, bool, type(None))):
             return
@@ -152,7 +177,7 @@ def collect(fn: Callable[..., Any], arguments: dict[str, Any], get_arg: Callable
             for n, m in v.named_children():
                 visit(f"{path}.{n}", root, steps + ((True, n),), m, depth + 1)
 
-    for name, root, value in roots:
+    for name, root, value, _ in roots:
         visit(name, root, (), value, 0)
     visit = None  # noqa: F841 - break the function <-> cell cycle: GC is off during capture_all
     # the shortest _MAX_PATHS, kept in walk order: a path shares its prefix with the one before it
@@ -166,7 +191,7 @@ def collect(fn: Callable[..., Any], arguments: dict[str, Any], get_arg: Callable
             while prev is not None and n < min(len(prev.steps), len(c.steps)) - 1 and prev.steps[n] == c.steps[n]:
                 n += 1
             out.append(dataclasses.replace(c, shared=n))
-    out.fast = _compile(out)
+    out.walk, out.program = _compile(out), _program(out)
     return out
 
 

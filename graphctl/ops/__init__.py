@@ -18,6 +18,7 @@ from graphctl.ops import reference
 from graphctl.ops._load import STATUS, ExtensionStatus
 
 __all__ = ["swap_through_", "copy_", "fingerprint", "token_to_request_", "loop_condition_", "switch_table", "all_bound",
+           "paths_hold",
            "RECOMPUTE_OPS",
            "extension_status",
            "uses_extension", "reference"]
@@ -118,3 +119,12 @@ def all_bound(obj: Any, pairs: tuple[tuple[str, Any], ...]) -> bool:
     if _C is not None and uses_extension():
         return bool(_C.all_bound(obj, pairs))
     return all(getattr(obj, n, None) is w for n, w in pairs)
+
+
+def paths_hold(program: tuple, args: tuple, kwargs: dict, walk: Any) -> bool:
+    """Whether every path of ``program`` (``graphctl.graphs.rebinding``) still leads to its
+    capture's tensor, in one C call; ``walk(args, kwargs)`` (the same check in Python, its
+    reference) without the extension."""
+    if _C is not None and uses_extension():
+        return bool(_C.paths_hold(program, args, kwargs))
+    return bool(walk(args, kwargs))
