@@ -2,8 +2,9 @@
 // swaps, recomputes) as one call per direction. Built by graphctl/state/native.py at the first
 // switch of a phase, from the same plan the Python steps (the reference) are built from.
 //
-// apply() checks every copy source first (identity against the object validated last time; the
-// ones that changed are handed back to Python to validate, nothing written), then runs, in order:
+// apply() checks every copy source first (identity against the object validated last time, and that
+// object's dtype, device, sizes, strides and address; the ones that changed are handed back to
+// Python to validate, nothing written), then runs, in order:
 // one graphctl::swap_through_ per device group (through the dispatcher, so dispatch modes and
 // profilers see it as they see the Python-issued op), the attribute puts, the recompute calls.
 // What has been applied is counted here, so undo() is right whenever it runs: after a complete
@@ -41,11 +42,31 @@ const c10::TypedOperatorHandle<CopyOp>& copy_op() {
   return op;
 }
 
+// What validation looked at: a tensor changed in place (x.data = ..., resize_, set_) keeps its
+// Python identity but not these, so the identity shortcut re-checks them on every switch.
+struct Meta {
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  c10::Device device = c10::Device(c10::kCPU);
+  std::vector<int64_t> sizes, strides;
+  const void* ptr = nullptr;
+
+  static Meta of(const at::Tensor& t) {
+    if (!t.defined()) return {};
+    return {t.scalar_type(), t.device(), t.sizes().vec(), t.strides().vec(), t.has_storage() ? t.const_data_ptr()
+                                                                                              : nullptr};
+  }
+  bool same(const at::Tensor& t) const {
+    return t.defined() && t.scalar_type() == dtype && t.device() == device && t.sizes() == sizes &&
+           t.strides() == strides && (t.has_storage() ? t.const_data_ptr() : nullptr) == ptr;
+  }
+};
+
 // A copy-in-place source: read by attribute name (a str) or by calling a getter (a path).
 struct Source {
   size_t index;
   py::object getter;
   py::object last;  // the object validated last time; the tensor in `sources` is its own
+  Meta meta;        // that tensor's metadata when validated
 };
 
 struct Group {
@@ -148,7 +169,7 @@ class SwitchTable {
       for (size_t c = 0; c < groups_[g].copies.size(); ++c) {
         const Source& s = groups_[g].copies[c];
         py::object cur = py::isinstance<py::str>(s.getter) ? obj_.attr(s.getter) : s.getter();
-        if (!cur.is(s.last)) stale.append(py::make_tuple(g, c, cur));
+        if (!cur.is(s.last) || !s.meta.same(groups_[g].sources[s.index])) stale.append(py::make_tuple(g, c, cur));
       }
     }
     if (!stale.empty()) return std::move(stale);
@@ -206,6 +227,7 @@ class SwitchTable {
     Source& s = groups_[g].copies[c];
     groups_[g].sources[s.index] = t;
     s.last = std::move(obj);
+    s.meta = Meta::of(t);
   }
 
   bool busy() const { return groups_done_ > 0 || puts_done_ > 0 || partial_; }

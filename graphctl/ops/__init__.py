@@ -7,6 +7,7 @@ call, on one device.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,7 @@ from graphctl.ops._load import STATUS, ExtensionStatus
 
 __all__ = ["swap_through_", "copy_", "fingerprint", "token_to_request_", "loop_condition_", "switch_table", "all_bound",
            "paths_hold",
-           "RECOMPUTE_OPS",
+           "RECOMPUTE_OPS", "OpArg",
            "extension_status",
            "uses_extension", "reference"]
 
@@ -29,7 +30,22 @@ def extension_status() -> ExtensionStatus:
 
 
 _LOADED = STATUS.loaded
-RECOMPUTE_OPS = ("token_to_request_",)  # ops an OpCall may name (graphctl.state.spec): in place, fixed arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class OpArg:
+    """One argument of a recompute op's schema (``csrc/registration.cpp``; a test holds the two equal)."""
+
+    name: str
+    kind: str  # "tensor", "int", "float" or "bool"
+    writes: bool = False
+
+
+# ops an OpCall may name (graphctl.state.spec): in place, fixed arguments, one written tensor
+RECOMPUTE_OPS: dict[str, tuple[OpArg, ...]] = {
+    "token_to_request_": (OpArg("out", "tensor", writes=True), OpArg("seq_lens", "tensor"),
+                          OpArg("num_tokens", "int"), OpArg("pad_value", "int")),
+}
 _KNOBS = knobs._values  # a plain dict lookup: this runs twice per switch
 
 

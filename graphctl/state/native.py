@@ -12,7 +12,8 @@ or none (the step is ``idempotent``), and its failures are reported one by one
 (:class:`~graphctl.state.transaction.StepFailures`).
 
 Copy sources are read every switch (a callable one is called once, as the user callable it is)
-and compared by identity with the object validated last; a new object is checked in Python, as
+and compared by identity and metadata (dtype, device, shape, strides, address: a tensor changed in
+place keeps its identity) with the object validated last; a new or changed one is checked in Python, as
 the Python step checks it, before anything is written. Where the Python steps stay: the
 ``capture`` phase (recorded once; its dead-capture handling is per step), no extension loaded,
 ``GRAPHCTL_NATIVE_SWITCH=0``, and states with a fault-injection or user hook installed (tests
@@ -28,7 +29,7 @@ from graphctl.state import paths
 from graphctl.state.spec import OpCall
 from graphctl.state.steps import use_error
 from graphctl.state.transaction import Step, StepFailures
-from graphctl.state.validate import check_source
+from graphctl.state.validate import check_source, source_label
 
 __all__ = ["native_step"]
 
@@ -52,12 +53,13 @@ def native_step(st: Any, phase: str) -> Step | None:
     if phase == "capture" or not ops.uses_extension():
         return None
     obj, pp = st.obj, st.plan.phases[phase]
-    groups, copy_names = [], []
+    groups, copy_names, copy_acts = [], [], []
     for g in st._groups[phase]:
         copies = tuple((i, _getter(st, act), _UNCHECKED) for i, _, act in g.copies)
         groups.append((f"snapshot[{g.device}]({', '.join(g.names)})", list(g.statics), list(g.arenas),
                        list(g.statics), copies))
         copy_names.append([name for _, name, _ in g.copies])
+        copy_acts.append([act for _, _, act in g.copies])
 
     def bound(entry: str) -> Any:  # what the entry is bound to while the switch is in
         held = pp.resolve.get(entry, entry)
@@ -85,7 +87,7 @@ def native_step(st: Any, phase: str) -> Step | None:
         if stale is None:
             return
         for gi, ci, src in stale:  # first switch, or a source rebound since: check it as the Python step does
-            check_source(st, copy_names[gi][ci], src, "source", use_error)
+            check_source(st, copy_names[gi][ci], src, source_label(copy_acts[gi][ci]), use_error)
             table.set_source(gi, ci, src, src)
         table.apply(False)  # nothing ran in between: the sources just checked are the ones to copy
 

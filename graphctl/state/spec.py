@@ -190,26 +190,27 @@ class Recompute:
         if len(set(inputs)) != len(inputs):
             raise DeclarationError("Recompute lists an input twice", expected="distinct names", found=inputs,
                                    fix="list each input once")
+
+    def check(self, buffer: str) -> None:
+        """Refuse a fn that cannot derive ``buffer`` (called where the buffer is declared, so the
+        error names it): a callable of the wrong arity, an OpCall that does not fit its op."""
         if isinstance(self.fn, OpCall):
-            used = self.fn.inputs_used()
-            if used and max(used) >= len(inputs):
-                raise DeclarationError("OpCall names an input the Recompute does not have", buffer=None,
-                                       expected=f"in0..in{len(inputs) - 1} (inputs {list(inputs)})",
-                                       found=f"in{max(used)}", fix="list the input in Recompute(inputs=...)")
+            self.fn.check(buffer, self.inputs)
             return
         if not callable(self.fn):
-            raise DeclarationError("Recompute fn must be callable", expected="fn(out, *inputs)",
+            raise DeclarationError("Recompute fn must be callable", buffer=buffer, expected="fn(out, *inputs)",
                                    found=type(self.fn).__name__, fix="pass a function")
         try:
             sig = inspect.signature(self.fn)
         except (TypeError, ValueError):  # a builtin without a signature: checked when it runs
             return
         try:
-            sig.bind(object(), *inputs)
+            sig.bind(object(), *self.inputs)
         except TypeError:
             name = getattr(self.fn, "__qualname__", repr(self.fn))
-            raise DeclarationError("Recompute fn cannot take (out, *inputs)", buffer=None,
-                                   expected=f"fn(out, {', '.join(inputs)}): {1 + len(inputs)} positional arguments",
+            raise DeclarationError("Recompute fn cannot take (out, *inputs)", buffer=buffer,
+                                   expected=f"fn(out, {', '.join(self.inputs)}): {1 + len(self.inputs)} positional "
+                                            "arguments",
                                    found=f"{name}{sig}",
                                    fix="take the output buffer first, then one argument per input, in order") from None
 
@@ -233,21 +234,58 @@ class OpCall:
     args: tuple[Any, ...]
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "args", tuple(self.args))
+
+    def check(self, buffer: str, inputs: tuple[str, ...]) -> None:
+        """The call against its op's schema (``graphctl.ops.RECOMPUTE_OPS``): argument count and
+        kinds, the one written argument ``"out"`` and no other, each placeholder an input the
+        Recompute has. A mismatch would otherwise surface at the first native switch as a C++
+        assertion, or write a declared input on every switch."""
         from graphctl.ops import RECOMPUTE_OPS
 
-        if self.op not in RECOMPUTE_OPS:
-            raise DeclarationError("OpCall names no graphctl recompute op", expected=" / ".join(RECOMPUTE_OPS),
-                                   found=repr(self.op), fix="use one of those, or a plain Recompute fn")
-        object.__setattr__(self, "args", tuple(self.args))
-        for a in self.args:
-            ok = _PLACEHOLDER.fullmatch(a) if isinstance(a, str) else isinstance(a, (int, float, bool))
+        def refuse(what: str, expected: Any, found: Any, fix: str) -> DeclarationError:
+            return DeclarationError(what, buffer=buffer, expected=expected, found=found, fix=fix)
+
+        schema = RECOMPUTE_OPS.get(self.op)
+        if schema is None:
+            raise refuse("OpCall names no graphctl recompute op", " / ".join(RECOMPUTE_OPS), repr(self.op),
+                         "use one of those, or a plain Recompute fn")
+        sig = f"{self.op}({', '.join(a.name + ('!' if a.writes else '') for a in schema)})"
+        if len(self.args) != len(schema):
+            raise refuse("OpCall passes the wrong number of arguments", f"{len(schema)}: {sig}",
+                         f"{len(self.args)}: {self.args}", "pass one value per argument of the op")
+        for a, spec in zip(self.args, schema):
+            m = _PLACEHOLDER.fullmatch(a) if isinstance(a, str) else None
+            if isinstance(a, str) and m is None:
+                raise refuse("OpCall argument is neither a placeholder nor a constant",
+                             '"out", "in0", "out.numel", "in0.numel"... or an int, float or bool', repr(a),
+                             "reach tensors through the Recompute's inputs")
+            if m is not None and m.group(2) is not None and int(m.group(2)) >= len(inputs):
+                raise refuse("OpCall names an input the Recompute does not have",
+                             f"in0..in{len(inputs) - 1} (inputs {list(inputs)})", a,
+                             "list the input in Recompute(inputs=...)")
+            if spec.kind == "tensor":
+                want = "out" if spec.writes else "in0, in1..."
+                ok = m is not None and m.group(3) is None and (m.group(1) == "out") == spec.writes
+                if not ok:
+                    what = ("OpCall writes something other than its output" if spec.writes or a == "out"
+                            else "OpCall passes a non-tensor where the op reads a tensor")
+                    raise refuse(what, f"{spec.name} = {want} in {sig}", repr(a),
+                                 'the op writes "out" (the derived buffer) and only reads its inputs: a recompute '
+                                 "never writes a declared input")
+                continue
+            if m is not None:  # only an element count ("in0.numel") stands for a number
+                ok = m.group(3) is not None and spec.kind == "int"
+            elif spec.kind == "bool":
+                ok = isinstance(a, bool)
+            elif spec.kind == "int":
+                ok = isinstance(a, int) and not isinstance(a, bool)
+            else:
+                ok = isinstance(a, (int, float)) and not isinstance(a, bool)
             if not ok:
-                raise DeclarationError("OpCall argument is neither a placeholder nor a constant", buffer=None,
-                                       expected='"out", "in0", "out.numel", "in0.numel"... or an int, float or bool',
-                                       found=repr(a), fix="reach tensors through the Recompute's inputs")
-        if "out" not in self.args:
-            raise DeclarationError("OpCall never writes its output", expected='"out" among the arguments',
-                                   found=self.args, fix="pass the derived buffer as the op's output argument")
+                raise refuse("OpCall argument does not fit the op's schema", f"{spec.name}: {spec.kind} in {sig}",
+                             repr(a), f"pass an {spec.kind}" + (' or "out.numel" / "inN.numel"'
+                                                                 if spec.kind == "int" else ""))
 
     def inputs_used(self) -> list[int]:
         return [int(m.group(2)) for a in self.args if isinstance(a, str) and (m := _PLACEHOLDER.fullmatch(a))
@@ -354,6 +392,8 @@ def _check_buffer(d: BufferDecl) -> None:
     if d.derive is not None and not isinstance(d.derive, Recompute):
         raise _err(n, "derive= takes Recompute", "Recompute", type(d.derive).__name__,
                    "write derive=Recompute(inputs=[...], fn=...)")
+    if d.derive is not None:
+        d.derive.check(n)
     if d.derive is not None and (d.refresh is not None or isinstance(d.draft, CopyInPlace)):
         raise _err(n, "a derived buffer cannot also be copied in place", "derive= alone", "derive= and CopyInPlace",
                    "drop the CopyInPlace: a derived buffer's contents come from its inputs")

@@ -15,7 +15,7 @@ from graphctl.errors import SwitchError
 from graphctl.state import paths
 from graphctl.state.arena import Group
 from graphctl.state.transaction import Step
-from graphctl.state.validate import check_source
+from graphctl.state.validate import check_source, source_label, source_meta
 
 __all__ = ["python_steps", "rebind_step", "use_error"]
 
@@ -34,14 +34,17 @@ def use_error(name: str, what: str, expected: Any, found: Any, fix: str) -> Swit
 def snapshot_step(st: Any, g: Group) -> Step:
     statics, arenas = list(g.statics), list(g.arenas)
     sources = statics.copy() if g.copies else statics
-    validated: dict[int, Any] = {}  # copy index -> the source object last checked
+    validated: dict[int, tuple[Any, tuple]] = {}  # copy index -> the source object last checked, its metadata
 
     def prepare() -> None:  # look the copy sources up and check them; writes nothing
         for i, name, act in g.copies:
             src = st._source(act)
-            if validated.get(i) is not src:  # the same tensor object as last time needs no re-check
-                check_source(st, name, src, "source", use_error)
-                validated[i] = src
+            last = validated.get(i)
+            # the same tensor object with the same metadata as last time needs no re-check; an object changed in
+            # place (src.data = ..., resize_, set_) keeps its identity, not its dtype, shape, strides or address
+            if last is None or last[0] is not src or last[1] != source_meta(src):
+                check_source(st, name, src, source_label(act), use_error)
+                validated[i] = (src, source_meta(src))
             sources[i] = src
 
     def apply() -> None:

@@ -12,7 +12,7 @@ from graphctl.errors import BindError, SwitchError
 from graphctl.state import paths
 from graphctl.state.spec import BufferDecl, CopyInPlace
 
-__all__ = ["validate", "bind_aliases", "check_source", "span"]
+__all__ = ["validate", "bind_aliases", "check_source", "source_label", "source_meta", "span"]
 
 
 def span(t: torch.Tensor) -> tuple[int, int]:
@@ -143,6 +143,19 @@ def check_sources(st) -> None:
             if isinstance(act, CopyInPlace) and isinstance(act.source, str):
                 src = get(st, act.source)
                 check_source(st, name, src, f"source '{act.source}'", lambda *a: err(st, *a))
+
+
+def source_meta(src: Any) -> tuple:
+    """What :func:`check_source` looked at, compared on every switch: the C++ table compares the same."""
+    if not isinstance(src, torch.Tensor):
+        return (type(src),)
+    return (src.dtype, src.device, tuple(src.shape), src.stride(), src.data_ptr())
+
+
+def source_label(act: Any) -> str:
+    """How an error names a copy source: ``source 'dpos'``, or the callable's name."""
+    src = act.source
+    return f"source '{src}'" if isinstance(src, str) else f"source {getattr(src, '__qualname__', repr(src))}()"
 
 
 def check_source(st, name: str, src: Any, label: str, err: Callable[..., Exception]) -> None:

@@ -318,9 +318,12 @@ def test_deleting_a_declared_attribute_is_a_typed_error(gen):
 
 def test_recompute_fn_of_the_wrong_arity_is_refused_at_declaration():
     # Issue 14 (errors): a Recompute fn of the wrong arity gave a raw TypeError at the first switch.
+    spec = StateSpec("arity")
+    spec.buffer("a", dtype=torch.int32)
+    spec.buffer("b", dtype=torch.int32)
     with pytest.raises(DeclarationError, match="cannot take"):
-        Recompute(inputs=["a", "b"], fn=lambda out, a: None)
-    Recompute(inputs=["a", "b"], fn=lambda out, *ins: None)  # variadic is fine
+        spec.buffer("d", dtype=torch.int32, derive=Recompute(inputs=["a", "b"], fn=lambda out, a: None))
+    spec.buffer("d", dtype=torch.int32, derive=Recompute(inputs=["a", "b"], fn=lambda out, *ins: None))  # variadic
 
 
 def test_write_of_a_value_that_requires_grad_keeps_no_history(gen):
@@ -370,3 +373,42 @@ def test_interrupted_exit_is_restored_at_the_next_use(gen):
     assert st.active_phase is None  # recovered
     _assert_same(st, before)
     assert m.kv_cache_manager is st._objects["kv_cache_manager"]
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("change", ["dtype", "resize", "strided"])
+def test_a_copy_source_changed_in_place_is_checked_again(native, change):
+    # Regression: issue 29, a CopyInPlace source changed in place (same object, now float32) was copied as bits.
+    spec = StateSpec("in-place-source")
+    spec.buffer("pos", dtype=torch.int32, draft=CopyInPlace("dpos"))
+    spec.buffer("dpos", dtype=torch.int32)
+
+    class M:
+        def __init__(self):
+            self.pos = torch.randint(0, 100, (6,), dtype=torch.int32)
+            self.dpos = torch.randint(100, 200, (6,), dtype=torch.int32)
+
+    m = M()
+    with graphctl.knobs.scope(native_switch=native):
+        reg = Registry()
+        reg.register(M, spec)
+        st = bind(m, registry=reg)
+        before = m.pos.clone()
+        with st.switch("draft"):
+            assert torch.equal(m.pos, m.dpos)
+        if change == "dtype":
+            m.dpos.data = torch.full((6,), 2.5)
+        elif change == "resize":
+            m.dpos.resize_(3)  # a raw C++ size error used to poison the state though nothing was written
+        else:
+            m.dpos.set_(torch.randint(0, 9, (12,), dtype=torch.int32).untyped_storage(), 0, (6,), (2,))
+        with pytest.raises(SwitchError, match="source 'dpos' does not match") as info:
+            with st.switch("draft"):
+                pass
+        assert info.value.buffer == "pos" and torch.equal(m.pos, before)
+        st.check_usable()  # nothing was written: the state stays usable
+        fresh = torch.randint(300, 400, (6,), dtype=torch.int32)
+        m.dpos.data = fresh  # back to a fitting tensor, still the same object
+        with st.switch("draft"):
+            assert torch.equal(m.pos, fresh)
+        assert torch.equal(m.pos, before)

@@ -415,7 +415,17 @@ CASES: list[Case] = [
         "declaration",
         "an `OpCall` recompute naming an op graphctl cannot launch natively, an argument that is neither a "
         "placeholder nor a constant, or an input the `Recompute` does not list",
-        lambda: OpCall("cumsum", ("out", "in0")),
+        lambda: _spec(("buffer", "a", {}),
+                      ("buffer", "d", {"derive": Recompute(["a"], OpCall("cumsum", ("out", "in0")))})),
+    ),
+    Case(
+        "decl-opcall-schema",
+        DeclarationError,
+        "declaration",
+        "an `OpCall` that does not fit its op's schema: the wrong number of arguments, a float or bool where an int "
+        "goes, or a written argument other than `\"out\"` (a recompute must never write a declared input)",
+        lambda: _spec(("buffer", "a", {}), ("buffer", "d", {"derive": Recompute(
+            ["a"], OpCall("token_to_request_", ("in0", "out", "in0.numel", -1)))})),
     ),
     Case(
         "decl-duplicate",
@@ -535,7 +545,8 @@ CASES: list[Case] = [
         DeclarationError,
         "declaration",
         "a Recompute fn that cannot take (out, *inputs)",
-        lambda: Recompute(["a", "b"], lambda out, a: None),
+        lambda: _spec(("buffer", "a", {}), ("buffer", "b", {}),
+                      ("buffer", "d", {"derive": Recompute(["a", "b"], lambda out, a: None)})),
     ),
     Case(
         "decl-recompute-input",

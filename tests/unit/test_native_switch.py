@@ -273,11 +273,43 @@ def test_an_op_call_is_launched_without_calling_python(gen, monkeypatch):
 
 @pytest.mark.parametrize("args,why", [
     (("out", "in0", "out.numel", "later"), "neither a placeholder nor a constant"),
-    (("in0", 3), "never writes its output"),
+    (("in0", 3), "wrong number of arguments"),
     (("out", "in1", 3, 0), "names an input the Recompute does not have"),
+    # Regression: issue 29, an OpCall writing a declared input was accepted because "out" appeared somewhere
+    (("in0", "out", "in0.numel", -1), "writes something other than its output"),
+    (("out", "in0", "out.numel"), "wrong number of arguments"),  # one short: a C++ assertion at the first switch
+    (("out", "in0", "out.numel", -1.0), "does not fit the op's schema"),
+    (("out", "in0", True, 0), "does not fit the op's schema"),
+    (("out", "in0", "in0", 0), "does not fit the op's schema"),
+    (("out", "out", "out.numel", 0), "writes something other than its output"),
 ])
-def test_bad_op_calls_are_refused_at_declaration(args, why):
-    with pytest.raises(graphctl.DeclarationError, match=why):
-        Recompute(inputs=["seq_lens"], fn=graphctl.OpCall("token_to_request_", args))
+def test_bad_op_calls_are_refused_at_declaration_naming_the_buffer(args, why):
+    spec = StateSpec("bad-op-call")
+    spec.buffer("seq_lens", dtype=torch.int32)
+    with pytest.raises(graphctl.DeclarationError, match=why) as info:
+        spec.buffer("token_map", dtype=torch.int32,
+                    derive=Recompute(inputs=["seq_lens"], fn=graphctl.OpCall("token_to_request_", args)))
+    assert info.value.buffer == "token_map"
     with pytest.raises(graphctl.DeclarationError, match="names no graphctl recompute op"):
-        graphctl.OpCall("cumsum", ("out", "in0"))
+        spec.buffer("other_map", dtype=torch.int32,
+                    derive=Recompute(inputs=["seq_lens"], fn=graphctl.OpCall("cumsum", ("out", "in0"))))
+
+
+def test_a_recompute_fn_of_the_wrong_arity_names_its_buffer():
+    # Regression: issue 29, the arity error named `<lambda>(out)` but not the buffer it derives.
+    spec = StateSpec("arity")
+    spec.buffer("seq_lens", dtype=torch.int32)
+    with pytest.raises(graphctl.DeclarationError, match="cannot take") as info:
+        spec.buffer("token_map", dtype=torch.int32, derive=Recompute(inputs=["seq_lens"], fn=lambda out: None))
+    assert info.value.buffer == "token_map"
+
+
+@pytest.mark.skipif(not ops.uses_extension(), reason="graphctl._C is not loaded")
+@pytest.mark.parametrize("op", sorted(ops.RECOMPUTE_OPS))
+def test_recompute_op_schemas_match_the_registered_ops(op):
+    # The Python schema OpCall is checked against must be the C++ one: names, kinds and the written argument.
+    schema = getattr(torch.ops.graphctl, op).default._schema
+    kinds = {"Tensor": "tensor", "int": "int", "float": "float", "bool": "bool"}
+    got = tuple(ops.OpArg(a.name, kinds[str(a.type)], bool(a.alias_info and a.alias_info.is_write))
+                for a in schema.arguments)
+    assert got == ops.RECOMPUTE_OPS[op]
