@@ -71,12 +71,14 @@ at::Tensor fingerprint_cpu(at::TensorList bufs) {
 
 template <typename O, typename S>
 void token_to_request_impl(O* out, int64_t out_n, const S* lens, int64_t n_seq, int64_t num_tokens, O pad) {
+  // a negative length counts as 0, as in the reference and the CUDA kernel (the cumulative ends never decrease)
+  auto len = [&](int64_t i) { return std::max<int64_t>(0, static_cast<int64_t>(lens[i])); };
   int64_t r = 0;
-  int64_t end = n_seq > 0 ? static_cast<int64_t>(lens[0]) : 0;  // cumulative end of request r
+  int64_t end = n_seq > 0 ? len(0) : 0;  // cumulative end of request r
   for (int64_t t = 0; t < num_tokens; ++t) {
     while (r < n_seq && t >= end) {
       ++r;
-      if (r < n_seq) end += static_cast<int64_t>(lens[r]);
+      if (r < n_seq) end += len(r);
     }
     out[t] = static_cast<O>(r);
   }

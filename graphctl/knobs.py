@@ -55,6 +55,11 @@ KNOBS: tuple[Knob, ...] = (
          "Before every switch (and in `BoundState.check()`), recompute each derived buffer into "
          "scratch and raise `StaleBufferError` if the live buffer differs. Costs one extra "
          "recompute and a host sync per derived buffer; never applied inside a capture."),
+    Knob("check_lengths", "GRAPHCTL_CHECK_LENGTHS", _parse_bool, False, "runtime",
+         "Refuse a negative length where a token map reads lengths: `write()` of a buffer an `OpCall` "
+         "`token_to_request_` reads as `seq_lens` raises `SwitchError` naming it, nothing written; "
+         "`graphctl.ops.token_to_request_` raises `ValueError`. Off, a negative length counts as 0 in "
+         "every kernel. Costs a host sync per checked value on a GPU."),
     Knob("verify_restore", "GRAPHCTL_VERIFY_RESTORE", _parse_bool, False, "runtime",
          "Fingerprint every snapshotted buffer on switch entry and again after restore; a "
          "difference poisons the state (`CorruptedStateError`). Host sync; skipped in capture."),

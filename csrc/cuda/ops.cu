@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(1024)
   const int per = (n_seq + blockDim.x - 1) / blockDim.x;
   const int lo = threadIdx.x * per, hi = min(n_seq, lo + per);
   int64_t run = 0;
-  for (int i = lo; i < hi; ++i) run += static_cast<int64_t>(lens[i]);
+  for (int i = lo; i < hi; ++i) run += max(int64_t(0), static_cast<int64_t>(lens[i]));  // a negative length counts as 0
   part[threadIdx.x] = run;
   __syncthreads();
   for (int s = 1; s < blockDim.x; s <<= 1) {  // Hillis-Steele inclusive scan of the per-thread sums
@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(1024)
   }
   run = threadIdx.x > 0 ? part[threadIdx.x - 1] : 0;
   for (int i = lo; i < hi; ++i) {
-    run += static_cast<int64_t>(lens[i]);
+    run += max(int64_t(0), static_cast<int64_t>(lens[i]));  // a negative length counts as 0
     cum[i] = run;
   }
   __syncthreads();

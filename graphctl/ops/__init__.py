@@ -39,11 +39,12 @@ class OpArg:
     name: str
     kind: str  # "tensor", "int", "float" or "bool"
     writes: bool = False
+    lengths: bool = False  # read as lengths: GRAPHCTL_CHECK_LENGTHS refuses a negative one at write()
 
 
 # ops an OpCall may name (graphctl.state.spec): in place, fixed arguments, one written tensor
 RECOMPUTE_OPS: dict[str, tuple[OpArg, ...]] = {
-    "token_to_request_": (OpArg("out", "tensor", writes=True), OpArg("seq_lens", "tensor"),
+    "token_to_request_": (OpArg("out", "tensor", writes=True), OpArg("seq_lens", "tensor", lengths=True),
                           OpArg("num_tokens", "int"), OpArg("pad_value", "int")),
 }
 _KNOBS = knobs._values  # a plain dict lookup: this runs twice per switch
@@ -94,7 +95,12 @@ def fingerprint(bufs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def token_to_request_(out: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, pad_value: int = 0) -> None:
-    """Token-to-request map of the cumulative layout of ``seq_lens``, padded past ``num_tokens``."""
+    """Token-to-request map of the cumulative layout of ``seq_lens``, padded past ``num_tokens``
+    (a negative length counts as 0; ``GRAPHCTL_CHECK_LENGTHS`` refuses one)."""
+    if _KNOBS["check_lengths"] and seq_lens.numel() and bool((seq_lens < 0).any()):
+        bad = int((seq_lens.reshape(-1) < 0).nonzero()[0])
+        raise ValueError(f"graphctl::token_to_request_: seq_lens[{bad}] = {int(seq_lens.reshape(-1)[bad])} is "
+                         "negative (GRAPHCTL_CHECK_LENGTHS is on); write non-negative lengths")
     if uses_extension():
         torch.ops.graphctl.token_to_request_(out, seq_lens, int(num_tokens), int(pad_value))
     else:

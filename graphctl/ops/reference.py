@@ -109,12 +109,13 @@ def fingerprint(bufs: Sequence[torch.Tensor]) -> torch.Tensor:
 def token_to_request_(out: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, pad_value: int) -> None:
     """``out[t] = searchsorted(cumsum(seq_lens), t, right=True)`` for ``t < num_tokens``
     (the request that owns token ``t``; ``len(seq_lens)`` past the last token), and
-    ``out[num_tokens:] = pad_value``. ``seq_lens`` must be non-negative."""
+    ``out[num_tokens:] = pad_value``. A negative length counts as 0 (a request with no tokens),
+    in every kernel alike; ``GRAPHCTL_CHECK_LENGTHS`` refuses one at ``write()``."""
     if not 0 <= num_tokens <= out.numel():
         raise ValueError(f"graphctl::token_to_request_: num_tokens={num_tokens} must be in [0, {out.numel()}]")
     flat = out.view(-1)
     if num_tokens:
-        cum = torch.cumsum(seq_lens.reshape(-1).to(torch.int64), 0)
+        cum = torch.cumsum(seq_lens.reshape(-1).to(torch.int64).clamp(min=0), 0)
         t = torch.arange(num_tokens, device=out.device, dtype=torch.int64)
         flat[:num_tokens].copy_(torch.searchsorted(cum, t, right=True))
     flat[num_tokens:].fill_(pad_value)

@@ -287,6 +287,17 @@ class OpCall:
                              repr(a), f"pass an {spec.kind}" + (' or "out.numel" / "inN.numel"'
                                                                  if spec.kind == "int" else ""))
 
+    def length_inputs(self, inputs: tuple[str, ...]) -> tuple[str, ...]:
+        """The Recompute inputs the op reads as lengths (checked under ``GRAPHCTL_CHECK_LENGTHS``)."""
+        from graphctl.ops import RECOMPUTE_OPS
+
+        out = []
+        for a, spec in zip(self.args, RECOMPUTE_OPS.get(self.op, ())):
+            m = _PLACEHOLDER.fullmatch(a) if isinstance(a, str) else None
+            if spec.lengths and m is not None and m.group(2) is not None:
+                out.append(inputs[int(m.group(2))])
+        return tuple(out)
+
     def inputs_used(self) -> list[int]:
         return [int(m.group(2)) for a in self.args if isinstance(a, str) and (m := _PLACEHOLDER.fullmatch(a))
                 and m.group(2) is not None]

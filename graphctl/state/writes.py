@@ -14,11 +14,14 @@ import torch
 
 from graphctl import ops
 from graphctl.errors import StaleBufferError, SwitchError
+from graphctl.knobs import knobs
 from graphctl.state import paths
 from graphctl.state.interrupts import deferred
-from graphctl.state.spec import BufferDecl
+from graphctl.state.spec import BufferDecl, OpCall
 
 __all__ = ["write", "write_many", "pad", "check"]
+
+_KNOBS = knobs._values  # a plain dict lookup on every write
 
 
 def write_group(st, names: tuple[str, ...]) -> tuple[list[tuple[list, list]], tuple[str, ...]]:
@@ -120,6 +123,10 @@ def write_many(st, values: Mapping[str, torch.Tensor]) -> None:
         target = expected[st._index[name]][1]
         check_value(st, name, d, target, value)
         targets.append(target)
+    if _KNOBS["check_lengths"]:
+        for name, _, value in items:
+            check_lengths(st, name, value)
+    check_one_storage(st, tuple(values))
     names = tuple(values)
     deps = st.plan.closure(tuple(dict.fromkeys(x for n in names for x in sharing(st, n))))
     what = f"write('{names[0]}')" if len(names) == 1 else f"write_many({', '.join(names)})"
@@ -135,6 +142,37 @@ def write_many(st, values: Mapping[str, torch.Tensor]) -> None:
                 target.copy_(value)
         for dep in deps:
             st._recompute(dep)
+
+
+def check_lengths(st, name: str, value: torch.Tensor) -> None:
+    """Under ``GRAPHCTL_CHECK_LENGTHS``: a value an OpCall token map reads as lengths has none negative."""
+    for derived, d in st.plan.buffers.items():
+        fn = d.derive.fn if d.derive is not None else None
+        if isinstance(fn, OpCall) and name in fn.length_inputs(d.derive.inputs) and value.numel():
+            flat = value.reshape(-1)
+            if bool((flat < 0).any()):  # a host sync on a GPU: the knob's documented cost
+                i = int((flat < 0).nonzero()[0])
+                raise SwitchError("write() value holds a negative length", buffer=name,
+                                  expected=f"lengths >= 0 ({fn.op} of '{derived}' reads them)",
+                                  found=f"{int(flat[i])} at index {i}",
+                                  fix="write non-negative lengths (0 for a request with no tokens)")
+
+
+def check_one_storage(st, names: tuple[str, ...]) -> None:
+    """Two entries of one ``write_many`` bound to one tensor right now (a swapped attribute and its
+    twin inside a switch) would leave the outcome to dict order: refused, naming both."""
+    sw = st._active
+    if sw is None or not sw.resolve or len(names) < 2:
+        return
+    held: dict[str, str] = {}
+    for n in names:
+        h = sw.resolve.get(n, n)
+        if h in held:
+            raise SwitchError("write_many() gives one storage two values", buffer=n,
+                              expected="one value per tensor",
+                              found=f"'{held[h]}' and '{n}' are one tensor inside this '{sw.phase}' switch",
+                              fix=f"write only one of '{held[h]}' and '{n}'")
+        held[h] = n
 
 
 def check_value(st, name: str, d: BufferDecl, target: torch.Tensor, value: Any) -> None:

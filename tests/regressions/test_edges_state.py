@@ -412,3 +412,52 @@ def test_a_copy_source_changed_in_place_is_checked_again(native, change):
         with st.switch("draft"):
             assert torch.equal(m.pos, fresh)
         assert torch.equal(m.pos, before)
+
+
+def _lens_state(draft=None):
+    spec = StateSpec("lens")
+    spec.buffer("lens", dtype=torch.int32, mutable=True, **({"draft": draft} if draft else {}))
+    spec.buffer("dlens", dtype=torch.int32, mutable=True)
+    spec.buffer("token_map", dtype=torch.int32,
+                derive=Recompute(["lens"], graphctl.OpCall("token_to_request_", ("out", "in0", "out.numel", -1))))
+
+    class M:
+        def __init__(self):
+            self.lens = torch.tensor([1, 2, 0, 3], dtype=torch.int32)
+            self.dlens = torch.tensor([2, 2, 2, 2], dtype=torch.int32)
+            self.token_map = torch.zeros(8, dtype=torch.int32)
+
+    reg = Registry()
+    reg.register(M, spec)
+    m = M()
+    return m, bind(m, registry=reg)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_negative_length_is_refused_under_the_knob_and_counts_as_zero_without(native):
+    # Regression: issue 29, write("lens", [2, -1, 3, 1]) fed a token map whose C++ and Python results differed.
+    with graphctl.knobs.scope(native_switch=native):
+        m, st = _lens_state()
+        before = (m.lens.clone(), m.token_map.clone())
+        with graphctl.knobs.scope(check_lengths=True), pytest.raises(SwitchError, match="negative length") as info:
+            st.write("lens", torch.tensor([2, -1, 3, 1], dtype=torch.int32))
+        assert info.value.buffer == "lens" and "-1 at index 1" in str(info.value)
+        assert torch.equal(m.lens, before[0]) and torch.equal(m.token_map, before[1])  # nothing written
+        st.write("lens", torch.tensor([2, -1, 3, 1], dtype=torch.int32))
+        assert m.token_map.tolist() == [0, 0, 2, 2, 2, 3, 4, 4]  # -1 counts as 0, in every kernel
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_write_many_refuses_two_values_for_one_storage(native):
+    # Regression: issue 29, inside a switch write_many({"lens": a, "dlens": b}) with lens swapped to dlens dropped
+    # one value, the outcome depending on dict order.
+    with graphctl.knobs.scope(native_switch=native):
+        m, st = _lens_state(draft=Swap("dlens"))
+        with st.switch("draft"):
+            before = m.dlens.clone()
+            with pytest.raises(SwitchError, match="two values") as info:
+                st.write_many({"lens": torch.ones(4, dtype=torch.int32),
+                               "dlens": torch.full((4,), 2, dtype=torch.int32)})
+            assert "'lens' and 'dlens'" in str(info.value) and torch.equal(m.dlens, before)
+            st.write_many({"lens": torch.ones(4, dtype=torch.int32)})  # one of them is fine
+            assert m.lens.tolist() == [1, 1, 1, 1]

@@ -310,6 +310,5 @@ def test_recompute_op_schemas_match_the_registered_ops(op):
     # The Python schema OpCall is checked against must be the C++ one: names, kinds and the written argument.
     schema = getattr(torch.ops.graphctl, op).default._schema
     kinds = {"Tensor": "tensor", "int": "int", "float": "float", "bool": "bool"}
-    got = tuple(ops.OpArg(a.name, kinds[str(a.type)], bool(a.alias_info and a.alias_info.is_write))
-                for a in schema.arguments)
-    assert got == ops.RECOMPUTE_OPS[op]
+    got = tuple((a.name, kinds[str(a.type)], bool(a.alias_info and a.alias_info.is_write)) for a in schema.arguments)
+    assert got == tuple((a.name, a.kind, a.writes) for a in ops.RECOMPUTE_OPS[op])

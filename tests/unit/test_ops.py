@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from graphctl import ops
 from graphctl.ops import reference
@@ -67,6 +69,27 @@ def test_token_to_request_matches_searchsorted(out_dtype, len_dtype, gen):
         torch.ops.graphctl.token_to_request_(out, seq_lens, num, -3)
         reference.token_to_request_(want, seq_lens, num, -3)
         assert torch.equal(out, want), (seq_lens, num)
+
+
+@given(lens=st.lists(st.integers(-2**31, 2**31 - 1) | st.integers(-3, 6), max_size=12),
+       extra=st.integers(0, 40), num_frac=st.floats(0, 1), out_dtype=st.sampled_from([torch.int32, torch.int64]),
+       len_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_token_to_request_agrees_with_its_reference_on_any_lengths(lens, extra, num_frac, out_dtype, len_dtype):
+    # Regression: issue 29, negative lengths gave [0, 0, 2, 2, ...] in C++ and [0, 2, 2, 2, ...] in the reference.
+    seq_lens = torch.tensor(lens, dtype=len_dtype)
+    T = extra
+    num = int(num_frac * T)
+    out = torch.full((T,), -77, dtype=out_dtype)
+    want = torch.full((T,), -77, dtype=out_dtype)
+    torch.ops.graphctl.token_to_request_(out, seq_lens, num, -3)
+    reference.token_to_request_(want, seq_lens, num, -3)
+    assert torch.equal(out, want), (lens, num)
+
+
+def test_token_to_request_counts_a_negative_length_as_zero():
+    out = torch.empty(8, dtype=torch.int32)
+    torch.ops.graphctl.token_to_request_(out, torch.tensor([2, -1, 3, 1], dtype=torch.int32), 8, -1)
+    assert out.tolist() == [0, 0, 2, 2, 2, 3, 4, 4]
 
 
 def test_loop_condition_matches_reference(gen):
