@@ -52,8 +52,8 @@ struct Meta {
 
   static Meta of(const at::Tensor& t) {
     if (!t.defined()) return {};
-    return {t.scalar_type(), t.device(), t.sizes().vec(), t.strides().vec(), t.has_storage() ? t.const_data_ptr()
-                                                                                              : nullptr};
+    return {t.scalar_type(), t.device(), t.sizes().vec(), t.strides().vec(),
+            t.has_storage() ? t.const_data_ptr() : nullptr};
   }
   bool same(const at::Tensor& t) const {
     return t.defined() && t.scalar_type() == dtype && t.device() == device && t.sizes() == sizes &&
