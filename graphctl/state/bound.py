@@ -88,6 +88,7 @@ class BoundState:
         self._lock = threading.Lock()  # held by the switch (or write/pad) that owns the state
         self._owner: int | None = None  # thread id of that owner
         self._in_user: str | None = None  # the user callable graphctl is running, if any
+        self._in_user_thread: int | None = None  # the thread running it: another thread's use is concurrent
         self._expect: dict[str | None, tuple[tuple[str, Any], ...]] = {}
         self._expect_split: dict[str | None, tuple[tuple[tuple[str, Any], ...], ...]] = {}  # (plain, paths)
         self._write_groups: dict[tuple[str | None, str], tuple[tuple[str, ...], list, list]] = {}
@@ -209,6 +210,8 @@ class BoundState:
             failures=self._poisoned)
 
     def _refuse_reentry(self, what: str) -> None:
+        if self._in_user is not None and self._in_user_thread != threading.get_ident():
+            raise self._busy(what)  # another thread is inside a user callable of this state: not a nesting
         if self._in_user is not None:
             raise NestedSwitchError(f"{what} issued from inside {self._in_user}", buffer=None,
                                     expected="switches and writes from the caller's code only",
@@ -276,13 +279,15 @@ class BoundState:
             self._lock.release()
 
     def _call_user(self, label: str, fn: Callable[..., Any], *args: Any) -> Any:
-        prev, self._in_user = self._in_user, f"{label} ({getattr(fn, '__qualname__', type(fn).__name__)})"
+        prev, prev_thread = self._in_user, self._in_user_thread
+        self._in_user = f"{label} ({getattr(fn, '__qualname__', type(fn).__name__)})"
+        self._in_user_thread = threading.get_ident()
         try:
             if self._user_hook is not None:
                 self._user_hook(self._in_user)
             return fn(*args)
         finally:
-            self._in_user = prev
+            self._in_user, self._in_user_thread = prev, prev_thread
 
     def _expected(self, phase: str | None) -> tuple[tuple[str, Any], ...]:
         return expected_bindings(self, phase)

@@ -23,6 +23,7 @@ from graphctl import (
     Swap,
     SwitchError,
     bind,
+    ops,
 )
 from graphctl.testing.interrupts import interrupt_sweep
 from support.mini import MiniMetadata, make_registry, make_spec
@@ -461,3 +462,56 @@ def test_write_many_refuses_two_values_for_one_storage(native):
             assert "'lens' and 'dlens'" in str(info.value) and torch.equal(m.dlens, before)
             st.write_many({"lens": torch.ones(4, dtype=torch.int32)})  # one of them is fine
             assert m.lens.tolist() == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("call", ["write", "pad"])
+def test_another_thread_during_a_recompute_fn_gets_concurrent_use_not_nesting(call):
+    # Regression: issue 29, thread B's write() while thread A ran a Recompute fn got NestedSwitchError (the
+    # in-user flag was state-wide); B is concurrent, not nested.
+    inside, release, armed = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_map(out, lens):
+        if armed.is_set():  # not at bind()
+            inside.set()
+            release.wait(5)
+        ops.token_to_request_(out, lens, out.numel(), -1)
+
+    spec = StateSpec("threads")
+    spec.buffer("lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), mutable=True,
+                draft=Swap("dlens"))
+    spec.buffer("dlens", shape=("S",), dtype=torch.int32, mutable=True)
+    spec.buffer("token_map", dtype=torch.int32, derive=Recompute(["lens"], slow_map))
+
+    class M:
+        def __init__(self):
+            self.lens = torch.tensor([1, 2, 0, 3], dtype=torch.int32)
+            self.dlens = torch.tensor([2, 2, 2, 2], dtype=torch.int32)
+            self.token_map = torch.zeros(8, dtype=torch.int32)
+
+    reg = Registry()
+    reg.register(M, spec)
+    m = M()
+    st = bind(m, registry=reg)
+    armed.set()
+    errors = []
+
+    def a():
+        try:
+            with st.switch("draft"):
+                pass
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=a)
+    t.start()
+    assert inside.wait(5)
+    try:
+        with pytest.raises(ConcurrentUseError):
+            if call == "write":
+                st.write("dlens", torch.ones(4, dtype=torch.int32))
+            else:
+                st.pad({"seq": 2})
+    finally:
+        release.set()
+        t.join(5)
+    assert not errors and m.lens.tolist() == [1, 2, 0, 3]
