@@ -19,9 +19,18 @@ from typing import Any
 
 __all__ = ["GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError",
            "ConcurrentUseError", "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
-           "RepointError"]
+           "RepointError", "did_you_mean"]
 
 _MISSING = object()
+
+
+def did_you_mean(name: str, candidates: Any) -> str:
+    """`` (did you mean 'seq_lens'?)`` for the closest of ``candidates`` to a misspelled ``name``, or ""."""
+    import difflib
+
+    close = difflib.get_close_matches(name, [c for c in candidates if isinstance(c, str) and c != name], n=1,
+                                      cutoff=0.75)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _fmt(v: Any) -> str:

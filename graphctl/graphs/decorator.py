@@ -18,9 +18,11 @@ argument a static input with its batch on dim 0. The result is a :class:`GraphRu
 option and constraint is documented there."""
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
+from graphctl.errors import did_you_mean
 from graphctl.graphs.runner import GraphRunner
 
 __all__ = ["graphed"]
@@ -28,6 +30,12 @@ __all__ = ["graphed"]
 
 def graphed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     """Wrap ``fn`` in a :class:`GraphRunner`; usable as ``@graphed`` and ``@graphed(...)``."""
+    known = inspect.signature(GraphRunner.__init__).parameters
+    for key in options:
+        if key not in known or key in ("self", "fn"):
+            # checked here, not by GraphRunner.__init__, so the error names the function the user called
+            raise TypeError(f"graphed() got an unexpected keyword argument '{key}'"
+                            f"{did_you_mean(key, [k for k in known if k not in ('self', 'fn')])}")
     if fn is None:
         return lambda f: GraphRunner(f, **options)
     return GraphRunner(fn, **options)

@@ -210,9 +210,9 @@ class BoundState:
             failures=self._poisoned)
 
     def _refuse_reentry(self, what: str) -> None:
-        if self._in_user is not None and self._in_user_thread != threading.get_ident():
-            raise self._busy(what)  # another thread is inside a user callable of this state: not a nesting
         if self._in_user is not None:
+            if self._in_user_thread != threading.get_ident():
+                raise self._busy(what)  # another thread is inside a user callable of this state: not a nesting
             raise NestedSwitchError(f"{what} issued from inside {self._in_user}", buffer=None,
                                     expected="switches and writes from the caller's code only",
                                     found=f"a call from {self._in_user}",
@@ -281,7 +281,8 @@ class BoundState:
     def _call_user(self, label: str, fn: Callable[..., Any], *args: Any) -> Any:
         prev, prev_thread = self._in_user, self._in_user_thread
         self._in_user = f"{label} ({getattr(fn, '__qualname__', type(fn).__name__)})"
-        self._in_user_thread = threading.get_ident()
+        # traced by dynamo inside a compiled switch (state/traced.py), where a thread id cannot be read
+        self._in_user_thread = None if torch.compiler.is_compiling() else threading.get_ident()
         try:
             if self._user_hook is not None:
                 self._user_hook(self._in_user)

@@ -17,7 +17,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
-from graphctl.errors import DeclarationError
+from graphctl.errors import DeclarationError, did_you_mean
 from graphctl.state.spec import BufferDecl, CopyInPlace, ObjectDecl, StateSpec, Swap, is_draft_segment
 
 __all__ = ["PHASES", "PhasePlan", "Plan", "compile_spec"]
@@ -97,8 +97,11 @@ def _check_entries(spec: StateSpec) -> None:
                 raise DeclarationError("swaps to itself", buffer=name, expected="a separate twin entry", found=twin,
                                        fix="declare a draft twin, e.g. 'draft_" + name + "'")
             if twin not in entries:
+                near = did_you_mean(twin, entries)
                 raise DeclarationError("Swap twin is not declared", buffer=name, expected=f"an entry named '{twin}'",
-                                       found="no such entry", fix=f"declare spec.{d.kind}('{twin}', ...)")
+                                       found="no such entry" + near,
+                                       fix=f"declare spec.{d.kind}('{twin}', ...)" + (", or fix the twin's name"
+                                                                                     if near else ""))
             t = entries[twin]
             if t.kind != d.kind:
                 raise DeclarationError("Swap twin is of another kind", buffer=name, expected=d.kind, found=t.kind,
@@ -137,7 +140,8 @@ def _check_entries(spec: StateSpec) -> None:
                 for i in d.derive.inputs:
                     if i not in entries and _starred(i) not in entries:
                         raise DeclarationError("Recompute input is not declared", buffer=name,
-                                               expected=f"an entry named '{i}'", found="no such entry",
+                                               expected=f"an entry named '{i}'",
+                                               found="no such entry" + did_you_mean(i, entries),
                                                fix=f"declare '{i}' in the spec (a buffer or an object)")
 
 

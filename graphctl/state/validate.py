@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from graphctl import ops
-from graphctl.errors import BindError, SwitchError
+from graphctl.errors import BindError, SwitchError, did_you_mean
 from graphctl.state import paths
 from graphctl.state.spec import BufferDecl, CopyInPlace
 
@@ -36,8 +36,10 @@ def get(st, name: str) -> Any:
     try:
         return paths.get(st.obj, name)
     except (AttributeError, IndexError, KeyError, TypeError):
-        raise err(st, name, "declared attribute is missing", "an attribute", "none",
-                  f"set {type(st.obj).__qualname__}.{name} before bind") from None
+        head = name.split(".")[0].split("[")[0]
+        near = did_you_mean(head, getattr(st.obj, "__dict__", {}))
+        raise err(st, name, "declared attribute is missing", "an attribute", "none" + near,
+                  f"set {type(st.obj).__qualname__}.{name} before bind, or fix the declared name") from None
 
 
 def validate(st) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from graphctl import ops
-from graphctl.errors import StaleBufferError, SwitchError
+from graphctl.errors import StaleBufferError, SwitchError, did_you_mean
 from graphctl.knobs import knobs
 from graphctl.state import paths
 from graphctl.state.interrupts import deferred
@@ -100,7 +100,8 @@ def write_many(st, values: Mapping[str, torch.Tensor]) -> None:
     for name, value in values.items():
         d = st.plan.buffers.get(name)
         if d is None:
-            kind = "an object entry" if name in st.plan.objects else "not declared"
+            kind = "an object entry" if name in st.plan.objects else "not declared" + did_you_mean(
+                name, st.plan.buffers)
             raise SwitchError("write() target is not a declared buffer", buffer=name, expected="a buffer entry",
                               found=kind, fix="declare it with spec.buffer(...); objects are rebound with Swap")
         if d.derive is not None:
@@ -130,6 +131,9 @@ def write_many(st, values: Mapping[str, torch.Tensor]) -> None:
     names = tuple(values)
     deps = st.plan.closure(tuple(dict.fromkeys(x for n in names for x in sharing(st, n))))
     what = f"write('{names[0]}')" if len(names) == 1 else f"write_many({', '.join(names)})"
+    for i, ((name, d, value), target) in enumerate(zip(items, targets)):
+        if overlaps(value, target):  # a view of the buffer itself (write("lens", m.lens[1:])): copy from a copy
+            items[i] = (name, d, value.clone())
     with all_or_nothing(st, what, names + deps), torch.no_grad():
         for (_, d, value), target in zip(items, targets):
             ax = d.axis_dim if d.axis is not None else 0
@@ -142,6 +146,20 @@ def write_many(st, values: Mapping[str, torch.Tensor]) -> None:
                 target.copy_(value)
         for dep in deps:
             st._recompute(dep)
+
+
+def overlaps(value: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether ``value`` shares bytes with ``target`` (a copy between them would read what it writes)."""
+    if value.device != target.device or value.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
+        return False
+    if value.data_ptr() == target.data_ptr() and value.shape == target.shape and value.stride() == target.stride():
+        return False  # the buffer itself (or the same view): a copy onto itself, which torch allows
+    def extent(t: torch.Tensor) -> tuple[int, int]:  # strides included: a strided view reaches past numel
+        last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()) if n) if t.numel() else -1
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (lo, hi), (tlo, thi) = extent(value), extent(target)
+    return lo < thi and tlo < hi
 
 
 def check_lengths(st, name: str, value: torch.Tensor) -> None:

@@ -515,3 +515,51 @@ def test_another_thread_during_a_recompute_fn_gets_concurrent_use_not_nesting(ca
         release.set()
         t.join(5)
     assert not errors and m.lens.tolist() == [1, 2, 0, 3]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_write_of_a_view_of_the_buffer_itself_is_correct(native):
+    # Regression: issue 29, state.write("lens", m.lens[1:]) (a shifted view of the buffer) raised an untyped
+    # torch RuntimeError about overlapping memory.
+    spec = StateSpec("shift")
+    spec.buffer("lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), mutable=True)
+
+    class M:
+        def __init__(self):
+            self.lens = torch.tensor([5, 1, 2, 3], dtype=torch.int32)
+
+    reg = Registry()
+    reg.register(M, spec)
+    m = M()
+    with graphctl.knobs.scope(native_switch=native):
+        st = bind(m, registry=reg)
+        st.write("lens", m.lens[1:])
+        assert m.lens.tolist() == [1, 2, 3, 0]
+        st.write("lens", m.lens.as_strided((4,), (0,), 1))  # every element reads one the write overwrites
+        assert m.lens.tolist() == [2, 2, 2, 2]
+
+
+def test_near_misses_say_did_you_mean():
+    # Regression: issue 29, a misspelled name got "Fix: set TinyMeta.seq_len before bind" with no hint.
+    spec = StateSpec("near")
+    spec.buffer("seq_len", dtype=torch.int32)
+
+    class TinyMeta:
+        def __init__(self):
+            self.seq_lens = torch.zeros(4, dtype=torch.int32)
+
+    reg = Registry()
+    reg.register(TinyMeta, spec)
+    with pytest.raises(BindError, match="did you mean 'seq_lens'"):
+        bind(TinyMeta(), registry=reg)
+    spec2 = StateSpec("near2")
+    spec2.buffer("block_table", dtype=torch.int32, draft=Swap(twin="draft_blok_table"))
+    spec2.buffer("draft_block_table", dtype=torch.int32)
+    with pytest.raises(DeclarationError, match="did you mean 'draft_block_table'"):
+        Registry().register(type("M", (), {}), spec2)
+    m, st = _lens_state()
+    with pytest.raises(SwitchError, match="did you mean 'lens'"):
+        st.write("len", torch.ones(4, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"graphed\(\) got an unexpected keyword argument 'bucket' \(did you mean "
+                                        r"'buckets'\?\)"):
+        graphctl.graphed(lambda x: x, bucket=[1])
