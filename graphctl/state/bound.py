@@ -95,6 +95,7 @@ class BoundState:
         self._poisoned: tuple[str, ...] | None = None
         self._fault_hook: FaultHook | None = None
         self._user_hook: Callable[[str], None] | None = None  # test seam: runs as a user callable starts
+        self._hooked_native = False  # test seam: hooks fire around the native step instead of forcing Python steps
         self._observers: list[Callable[[str, str, str], None]] = []
         self._scratch: dict[str, torch.Tensor] = {}
         self._step_cache: dict[str, tuple[Step, ...]] = {}
@@ -363,7 +364,7 @@ class BoundState:
     def _steps(self, phase: str) -> tuple[Step, ...]:
         # Built once per phase (the first switch in it) and reused: a switch creates no closures.
         # One native step (state/native.py) where it can; the Python steps when a hook reaches inside.
-        hooked = self._fault_hook is not None or self._user_hook is not None
+        hooked = (self._fault_hook is not None or self._user_hook is not None) and not self._hooked_native
         key = "py:" + phase if hooked or not _KNOBS["native_switch"] else phase
         steps = self._step_cache.get(key)
         if steps is None:

@@ -33,6 +33,7 @@ import torch
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphctl import ops
 from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitchError, StaleBufferError, SwitchError
@@ -67,9 +68,25 @@ def _partial_op(name: str, fired: list[str], stage: str) -> Iterator[None]:
         fired.append(stage)
         raise InjectedFault(f"{name} failed after {k} of {len(statics)} buffers")
 
+    class HalfThenRaise(TorchDispatchMode):
+        """The same fault where the native switch table calls the op (through the dispatcher, no
+        Python wrapper): the in-op fault reaches inside the native step too."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if armed[0] and func is getattr(torch.ops.graphctl, name).default:
+                armed[0] = False
+                statics, arenas, *rest = args
+                k = len(statics) // 2
+                if k:
+                    func(statics[:k], arenas[:k], *(r[:k] for r in rest))
+                fired.append(stage)
+                raise InjectedFault(f"{name} (native) failed after {k} of {len(statics)} buffers")
+            return func(*args, **(kwargs or {}))
+
     setattr(ops, name, half_then_raise)
     try:
-        yield
+        with HalfThenRaise() if ops.uses_extension() else contextlib.nullcontext():
+            yield
     finally:
         setattr(ops, name, real)
 
@@ -97,6 +114,10 @@ class SwitchMachine(RuleBasedStateMachine):
         self.case = case
         self.state = bind(case.obj, registry=case.registry)
         self.state._fault_hook = self._hook
+        # half the runs drive the native switch table users get (hooks fire around its one step, in-op faults
+        # reach inside it through the dispatcher), half the Python steps, its reference
+        self.state._hooked_native = case.native
+        note(f"switch: {'native table' if case.native else 'Python steps'}")
         self.plan = self.state.plan
         self.names = list(self.plan.buffers)
         self.model = {n: getattr(case.obj, n).detach().clone() for n in self.names}  # what outside should hold

@@ -29,6 +29,7 @@ class Case:
     registry: Registry
     gen: torch.Generator
     device: torch.device = torch.device("cpu")
+    native: bool = True  # the machines drive the native switch table (what users get) or the Python steps
 
     def value(self, name: str, rows: int | None = None) -> torch.Tensor:
         """A fresh random value for buffer ``name`` (``rows`` along its axis, if given)."""
@@ -154,7 +155,7 @@ def cases(draw: Callable, device: str = "cpu", max_plain: int = 5) -> Case:
     for name in plan.order:  # start consistent: derived = fn(inputs)
         rc = plan.buffers[name].derive
         rc.fn(getattr(obj, name), *(getattr(obj, x) for x in rc.inputs))
-    return Case(obj=obj, spec=spec, registry=registry, gen=gen, device=dev)
+    return Case(obj=obj, spec=spec, registry=registry, gen=gen, device=dev, native=draw(st.booleans()))
 
 
 def _getter(attr: str) -> Callable[[Any], torch.Tensor]:

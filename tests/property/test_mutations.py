@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import graphctl.state.arena as arena
-from graphctl.state import bound, transaction
+from graphctl.state import bound, native, paths, transaction
 from graphctl.state import plan as plan_mod
 from graphctl.testing import GraphMachine, SwitchMachine
 
@@ -79,7 +79,53 @@ def _no_poisoning():
     return _patched(bound.BoundState, "_poison", poison)
 
 
+def _native_undo_restores_no_contents():
+    """The native table's undo puts the attributes back but leaves every snapshotted buffer
+    holding the switched contents (as if its copy-back were dropped)."""
+    real = native.native_step
+
+    def mutant(st, phase):
+        step = real(st, phase)
+        if step is None:
+            return None
+        undo = step.undo
+
+        def bad_undo():
+            switched = [(t, t.clone()) for g in st._groups[phase] for t in g.statics]
+            undo()
+            for t, v in switched:
+                t.copy_(v)
+
+        step.undo = bad_undo
+        return step
+
+    return _patched(bound, "native_step", mutant)
+
+
+def _native_apply_skips_the_swaps():
+    """The native table's apply copies and recomputes but never rebinds a swapped attribute."""
+    real = native.native_step
+
+    def mutant(st, phase):
+        step = real(st, phase)
+        if step is None:
+            return None
+        apply = step.apply
+
+        def bad_apply():
+            apply()
+            for name, _ in st.plan.phases[phase].swaps:
+                paths.put(st.obj, name, st._tensors.get(name, st._objects.get(name)))
+
+        step.apply = bad_apply
+        return step
+
+    return _patched(bound, "native_step", mutant)
+
+
 MUTATIONS = {
+    "native undo restores no contents": (_native_undo_restores_no_contents, SwitchMachine),
+    "native apply skips the swaps": (_native_apply_skips_the_swaps, SwitchMachine),
     "skip one undo": (_skip_one_undo, SwitchMachine),
     "recompute reads the unswapped input": (_recompute_reads_unswapped_inputs, SwitchMachine),
     "write recomputes only direct dependents": (_write_recomputes_direct_dependents_only, SwitchMachine),
