@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from graphctl import ops
-from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitchError, SwitchError
+from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitchError, StaleBufferError, SwitchError
 from graphctl.knobs import knobs
 from graphctl.state import paths, writes
 from graphctl.state.arena import allocate_arenas, make_groups
@@ -333,6 +333,21 @@ class BoundState:
             if _KNOBS["verify_restore"]:
                 return self._fingerprints(sw.phase)
         return None
+
+    def _stale_inside(self, sw: Switch) -> Exception | None:
+        """Under ``GRAPHCTL_CHECK_STALE``, at a switch's exit before its restore: a derived buffer
+        no longer equal to ``fn(inputs)`` (an input written in place inside the switch, e.g.
+        ``meta.seq_lens.fill_(1)``, which the restore would hide). Returned, never raised here."""
+        if sw.phase == "capture" or not _KNOBS["check_stale"]:
+            return None
+        try:
+            err = writes.first_stale(self)
+        except Exception as exc:  # a Recompute fn that raised in the check: reported after the restore, which runs
+            exc.add_note("raised by GRAPHCTL_CHECK_STALE's check at a switch's exit; the switch was restored")
+            return exc
+        if err is not None:
+            err.add_note(f"found at the exit of the '{sw.role}' switch ({sw.phase}), before its restore")
+        return err
 
     def _leave(self, sw: Switch, failed: bool) -> list[tuple[str, BaseException]]:
         """The policy on exit, after every step was undone: observers hear of it (one raising

@@ -83,6 +83,7 @@ class Owner(Protocol):
     def _release(self, sw: Switch) -> None: ...
     def _enter(self, sw: Switch) -> Any: ...  # entry checks and observers; what _leave verifies against
     def _leave(self, sw: Switch, failed: bool) -> Failures: ...  # exit observers and verification
+    def _stale_inside(self, sw: Switch) -> Exception | None: ...  # a derived buffer stale at exit (knob)
     def _steps(self, phase: str) -> tuple[Step, ...]: ...
     def _hook(self, stage: str, step: str, when: str) -> None: ...  # fault injection (tests)
     def _poison(self, failures: Failures) -> BaseException: ...  # later uses raise it
@@ -211,9 +212,12 @@ class Switch:
         if st._active is not self:  # entry never completed (or a foreign exit): nothing is held
             return
         with deferred():
+            stale = st._stale_inside(self)  # before the restore hides it (never raises)
             failures = self._undo("restore")
             st._release(self)
             failures += st._leave(self, bool(failures))
             if failures:
                 err = st._poison(failures)
                 raise err from (ev if ev is not None else failures[0][1])
+            if stale is not None and ev is None:  # restored cleanly; the body's own exception wins
+                raise stale

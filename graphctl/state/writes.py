@@ -249,6 +249,13 @@ def pad(st, counts: Mapping[str, int], ends: Mapping[str, int] | None = None) ->
 def check(st) -> None:
     """See ``BoundState.check``."""
     st._begin_use("check()")
+    err = first_stale(st)
+    if err is not None:
+        raise err
+
+
+def first_stale(st) -> StaleBufferError | None:
+    """The first derived buffer that differs from ``fn(inputs)`` recomputed into scratch, as an error."""
     for name in st.plan.order:
         live = paths.get(st.obj, name)
         scratch = st._scratch.get(name)
@@ -260,8 +267,9 @@ def check(st) -> None:
             es = live.element_size()
             idx = int((a != b).nonzero()[0]) // es
             inputs = list(st.plan.buffers[name].derive.inputs)
-            raise StaleBufferError("derived buffer is stale", buffer=name,
+            return StaleBufferError("derived buffer is stale", buffer=name,
                                    expected=f"fn({', '.join(inputs)})[{idx}] = {scratch.reshape(-1)[idx].item()}",
                                    found=live.reshape(-1)[idx].item(), index=idx,
                                    fix=f"an input of '{name}' was written behind graphctl's back: "
                                        "write inputs with state.write()")
+    return None

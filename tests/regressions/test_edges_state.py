@@ -563,3 +563,19 @@ def test_near_misses_say_did_you_mean():
     with pytest.raises(TypeError, match=r"graphed\(\) got an unexpected keyword argument 'bucket' \(did you mean "
                                         r"'buckets'\?\)"):
         graphctl.graphed(lambda x: x, bucket=[1])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_input_written_in_place_inside_a_switch_is_caught_at_its_exit(native):
+    # Regression: issue 29, meta.seq_lens.fill_(1) inside a switch left the token map stale for the forward's
+    # reads, and GRAPHCTL_CHECK_STALE (checked on entry only) said nothing: the restore hid it.
+    m, st = _lens_state()
+    with graphctl.knobs.scope(native_switch=native, check_stale=True):
+        with pytest.raises(graphctl.StaleBufferError, match="token_map") as info:
+            with st.switch("draft"):
+                m.lens.fill_(1)
+        assert "before its restore" in str(info.value.__notes__)
+        assert m.lens.tolist() == [1, 2, 0, 3]  # mutable, so snapshotted: restored cleanly, the state usable
+        st.check_usable()
+        with st.switch("draft"):
+            pass  # consistent again: nothing raised
