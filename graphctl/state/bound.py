@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from graphctl import ops
-from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitchError, StaleBufferError, SwitchError
+from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitchError, SwitchError
 from graphctl.knobs import knobs
 from graphctl.state import paths, writes
 from graphctl.state.arena import allocate_arenas, make_groups
