@@ -28,7 +28,7 @@ from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitc
 from graphctl.knobs import knobs
 from graphctl.state import paths, writes
 from graphctl.state.arena import allocate_arenas, make_groups
-from graphctl.state.interrupts import deferred
+from graphctl.state.interrupts import deferred, in_user_code
 from graphctl.state.native import native_step
 from graphctl.state.phase import capturing, resolve_phase
 from graphctl.state.plan import PHASES, Plan, compile_spec
@@ -287,7 +287,10 @@ class BoundState:
         try:
             if self._user_hook is not None:
                 self._user_hook(self._in_user)
-            return fn(*args)
+            if torch.compiler.is_compiling():
+                return fn(*args)
+            with in_user_code():  # a second Ctrl-C gets through a callable that hangs
+                return fn(*args)
         finally:
             self._in_user, self._in_user_thread = prev, prev_thread
 

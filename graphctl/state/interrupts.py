@@ -6,12 +6,13 @@ switch recorded that it ran: undo would then skip a step that did run, or replay
 not. A CUDA graph replay cannot be stopped halfway either, and the emulated backend must not
 be. :func:`deferred` holds Python-level signal handlers across such a section: a signal that
 arrives inside it is remembered, and its handler runs once the section has ended, when the
-state is consistent again (so the ``KeyboardInterrupt`` then propagates as itself).
+state is consistent again (so the ``KeyboardInterrupt`` then propagates as itself). A second
+Ctrl-C while one is held and a user callable runs is delivered at once (:class:`in_user_code`).
 
 Only the main thread receives signals, so elsewhere the section costs nothing. Handlers that
 are not Python callables (``SIG_DFL``, ``SIG_IGN``) are left alone: they never raise into
 Python code. Sections nest; the outermost one delivers. A long user callable inside a section
-(a ``Recompute`` fn) delays Ctrl-C until the section ends.
+(a ``Recompute`` fn) delays the first Ctrl-C until the section ends; a second one gets through.
 """
 from __future__ import annotations
 
@@ -25,12 +26,13 @@ from typing import Any
 
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["deferred", "drop_mode", "DEFERRED_SIGNALS"]
+__all__ = ["deferred", "drop_mode", "in_user_code", "DEFERRED_SIGNALS"]
 
 # SIGINT is what Ctrl-C sends; SIGTERM only matters where a program installed a raising handler.
 DEFERRED_SIGNALS = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None))
                          if s is not None)
 _MAIN = threading.main_thread()
+_USER_CODE = [0]  # user callables (Recompute fns, CopyInPlace sources) running now: see in_user_code
 _SIGINT = getattr(signal, "SIGINT", None)
 
 
@@ -60,6 +62,11 @@ class deferred:
         return bool(self._pending)
 
     def _hold(self, signum: int, frame: Any) -> None:
+        if signum == _SIGINT and _USER_CODE[0] and any(p[0] == _SIGINT for p in self._pending):
+            # a second Ctrl-C while the first is held and a user callable runs (a Recompute fn that hangs):
+            # delivered at once, from inside that callable, which graphctl undoes like any callable that raises
+            self._pending[:] = [p for p in self._pending if p[0] != _SIGINT]
+            raise KeyboardInterrupt("a second Ctrl-C inside a user callable graphctl was running")
         self._pending.append((signum, frame))
 
     def __enter__(self) -> deferred:
@@ -110,6 +117,20 @@ class deferred:
         deferred._depth -= 1
         self._active = False
         self._restore()
+
+
+class in_user_code:
+    """Marks a user callable running inside a held section: there a second Ctrl-C is delivered at
+    once (the usual "press Ctrl-C twice"), so a callable that never returns cannot make graphctl
+    unstoppable; the first one is held as ever."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _USER_CODE[0] += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _USER_CODE[0] -= 1
 
 
 def drop_mode(mode: Any) -> None:

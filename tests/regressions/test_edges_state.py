@@ -579,3 +579,45 @@ def test_an_input_written_in_place_inside_a_switch_is_caught_at_its_exit(native)
         st.check_usable()
         with st.switch("draft"):
             pass  # consistent again: nothing raised
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_a_second_ctrl_c_gets_through_a_recompute_fn_that_hangs():
+    # Regression: issue 29, a Recompute fn that never returned inside write() held SIGINT for good: only SIGKILL
+    # stopped it. The first Ctrl-C is held as ever; a second one is delivered at once, and the write rolls back.
+    import signal
+    import time
+
+    calls = []
+
+    def hangs(out, lens):
+        calls.append(1)
+        if len(calls) == 1:  # bind() recomputes once
+            ops.token_to_request_(out, lens, out.numel(), -1)
+            return
+        signal.raise_signal(signal.SIGINT)  # held: the write is in its section
+        signal.raise_signal(signal.SIGINT)  # the second gets through
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # "hangs": only the interrupt ends it
+            time.sleep(0.01)
+
+    spec = StateSpec("hang")
+    spec.buffer("lens", dtype=torch.int32, mutable=True)
+    spec.buffer("token_map", dtype=torch.int32, derive=Recompute(["lens"], hangs))
+
+    class M:
+        def __init__(self):
+            self.lens = torch.tensor([1, 2, 0, 3], dtype=torch.int32)
+            self.token_map = torch.zeros(8, dtype=torch.int32)
+
+    reg = Registry()
+    reg.register(M, spec)
+    m = M()
+    st = bind(m, registry=reg)
+    before = (m.lens.clone(), m.token_map.clone())
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        st.write("lens", torch.tensor([4, 0, 0, 0], dtype=torch.int32))
+    assert time.monotonic() - t0 < 4
+    assert torch.equal(m.lens, before[0]) and torch.equal(m.token_map, before[1])  # rolled back
+    st.check_usable()
