@@ -129,11 +129,14 @@ class Pad:
         elif self.kind == "arange":
             step = self.step
             assert step is not None  # Pad.arange(step) sets it
-            m = tail.shape[dim]
-            shape = [1] * tail.dim()
-            shape[dim] = m
-            ramp = torch.arange(1, m + 1, device=tail.device, dtype=tail.dtype).view(shape) * step
-            tail.copy_(ramp - step if last is None else ramp + last)
+            # in place, no temporary (a write inside a switch allocates nothing): step everywhere, a running sum
+            # along dim gives (i + 1) * step, then shifted to start after the last live row (or at 0)
+            tail.fill_(step)
+            torch.cumsum(tail, dim, out=tail)
+            if last is None:
+                tail.sub_(step)
+            else:
+                tail.add_(last.expand_as(tail))
         elif self.kind == "fill":
             assert self.value is not None  # Pad.fill(value) sets it
             tail.fill_(self.value)

@@ -6,6 +6,7 @@ C++ kernel without going through the dispatcher is invisible here; on CUDA, pair
 ``torch.cuda.memory_stats`` (see tests/cuda)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,9 +23,10 @@ def _storages(tree: Any) -> set[int]:
 class AllocationTracker(TorchDispatchMode):
     """``with AllocationTracker() as a: ...; assert not a.allocations``."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: Callable[[], str | None] | None = None) -> None:
         super().__init__()
         self.allocations: list[str] = []
+        self.where = where  # names the user callable running, if any (the state's Recompute fn, its source)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -33,5 +35,6 @@ class AllocationTracker(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and \
                     t.untyped_storage().data_ptr() not in seen:
-                self.allocations.append(f"{func} -> {tuple(t.shape)} {t.dtype}")
+                who = self.where() if self.where is not None else None
+                self.allocations.append(f"{func} -> {tuple(t.shape)} {t.dtype}" + (f" in {who}" if who else ""))
         return out

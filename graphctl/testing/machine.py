@@ -182,11 +182,15 @@ class SwitchMachine(RuleBasedStateMachine):
             for n in self.names:
                 assert torch.equal(before[n], _bytes(getattr(self.case.obj, n))), f"refused write changed {n}"
             return
-        self.state.write(name, value)
         if self.switch is None:
+            self.state.write(name, value)
             self._model_write(name, value)
-        else:
-            self._check_inside()  # a write inside a switch leaves every derived buffer = fn(inputs) as bound now
+            return
+        # inside a switch a write recomputes in the middle of the switch: the no-allocation rule holds there too
+        with AllocationTracker(where=lambda: self.state._in_user) as alloc:
+            self.state.write(name, value)
+        assert not alloc.allocations, f"write('{name}') inside a switch allocated: {alloc.allocations}"
+        self._check_inside()  # a write inside a switch leaves every derived buffer = fn(inputs) as bound now
 
     def _model_write(self, name: str, value: torch.Tensor) -> None:
         d = self.plan.buffers[name]
@@ -234,7 +238,7 @@ class SwitchMachine(RuleBasedStateMachine):
             return
         cm = self.state.switch("draft", phase)
         n_fired = len(self.fired)
-        with AllocationTracker() as alloc:
+        with AllocationTracker(where=lambda: self.state._in_user) as alloc:
             try:
                 cm.__enter__()
             except (InjectedFault, InjectedInterrupt):
@@ -270,7 +274,7 @@ class SwitchMachine(RuleBasedStateMachine):
         cm, self.switch = self.switch, None
         exc = body("body raised") if body is not None else None
         n_fired = len(self.fired)
-        with AllocationTracker() as alloc:
+        with AllocationTracker(where=lambda: self.state._in_user) as alloc:
             try:
                 swallowed = cm.__exit__(body, exc, None)
             except CorruptedStateError:
