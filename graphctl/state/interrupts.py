@@ -26,7 +26,7 @@ from typing import Any
 
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["deferred", "drop_mode", "in_user_code", "DEFERRED_SIGNALS"]
+__all__ = ["deferred", "drop_mode", "in_user_code", "ExitGuard", "DEFERRED_SIGNALS"]
 
 # SIGINT is what Ctrl-C sends; SIGTERM only matters where a program installed a raising handler.
 DEFERRED_SIGNALS = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None))
@@ -88,6 +88,10 @@ class deferred:
     def _restore(self) -> None:
         # SIGINT is reinstalled last: until then every handler is ours, and ours never raises.
         for s, h in sorted(self._saved, key=lambda sh: sh[0] == _SIGINT):
+            guard = getattr(h, "__self__", None)
+            while isinstance(guard, ExitGuard) and not guard.active:  # removed while this section held it
+                h = guard.saved
+                guard = getattr(h, "__self__", None)
             _signal.signal(s, h)
 
     def __exit__(self, *exc: Any) -> None:
@@ -117,6 +121,52 @@ class deferred:
         deferred._depth -= 1
         self._active = False
         self._restore()
+
+
+class ExitGuard:
+    """While a switch is active in the main thread: a SIGINT whose handler runs in one of ``codes``
+    (``Switch.__exit__`` before its restore section holds interrupts: a Ctrl-C lands at a call's
+    first instruction) is held, and delivered by :meth:`remove` once the restore is done. Without
+    it, that Ctrl-C left the switch active, and an ``except KeyboardInterrupt:`` handler or a
+    checkpoint save read draft state until the state's next use. Any other SIGINT goes to the
+    handler that was installed, at once. A guard never replaces a handler it did not save."""
+
+    __slots__ = ("codes", "saved", "pending", "handle", "active")
+
+    def __init__(self, codes: frozenset) -> None:
+        self.codes, self.saved, self.pending, self.active = codes, None, [], False
+        self.handle = self._handle  # one bound method: compared by identity on removal
+
+    def install(self) -> ExitGuard:
+        if _SIGINT is not None and threading.current_thread() is _MAIN:
+            cur = _signal.getsignal(_SIGINT)
+            if callable(cur):
+                self.saved, self.active = cur, True
+                _signal.signal(_SIGINT, self.handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if frame is not None and ((self.active and frame.f_code in self.codes) or frame.f_code is _REMOVE):
+            # in __exit__ before its held section, or in remove() itself (which delivers what it holds at its end)
+            self.pending.append((signum, frame))
+            return
+        # removed but reinstalled by a section that saved it meanwhile: forwards, as the handler it replaced
+        self.saved(signum, frame)
+
+    def remove(self) -> None:
+        """Put the saved handler back (when ours is still installed), then deliver what was held."""
+        if not self.active:
+            return
+        self.active = False
+        if _signal.getsignal(_SIGINT) is self.handle:
+            _signal.signal(_SIGINT, self.saved)
+        while self.pending:
+            signum, _ = self.pending.pop(0)
+            # no frame: a guard stacked under this one (another state's switch) forwards it instead of holding it
+            self.saved(signum, None)  # the default handler raises KeyboardInterrupt: as itself
+
+
+_REMOVE = ExitGuard.remove.__code__
 
 
 class in_user_code:

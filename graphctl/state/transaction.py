@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from graphctl.errors import SwitchError
-from graphctl.state.interrupts import deferred
+from graphctl.state.interrupts import ExitGuard, deferred
 from graphctl.state.phase import capture_invalidated
 
 __all__ = ["FaultHook", "Owner", "Step", "StepFailures", "Switch"]
@@ -99,7 +99,7 @@ class Switch:
     the whole switch before it propagates (the ``with`` body never ran, so its ``__exit__``
     would not)."""
 
-    __slots__ = ("state", "role", "phase", "resolve", "applied", "before", "used", "frame")
+    __slots__ = ("state", "role", "phase", "resolve", "applied", "before", "used", "frame", "guard")
 
     def __init__(self, state: Owner, role: str, phase: str, resolve: Mapping[str, str]) -> None:
         self.state, self.role, self.phase, self.resolve = state, role, phase, resolve
@@ -107,6 +107,7 @@ class Switch:
         self.before: Any = None
         self.used = False
         self.frame: Any = None  # the plain-function frame whose with-statement entered it
+        self.guard: ExitGuard | None = None  # holds a Ctrl-C landing in __exit__ before its restore section
 
     def __enter__(self) -> Switch:
         st = self.state
@@ -148,6 +149,8 @@ class Switch:
                         exc.add_note(f"graphctl: {name} could not be undone ({type(why).__name__}: {why}); "
                                      "state poisoned")
                     raise
+            self.guard = ExitGuard(_EXIT_CODES)  # assigned first: an interrupt in between finds it for _unwind
+            self.guard.install()
             return self
         except BaseException:
             with deferred():
@@ -157,6 +160,10 @@ class Switch:
     def _unwind(self) -> Failures:
         """Undo an entry that will not complete; poison on a failed undo."""
         st = self.state
+        if self.guard is not None:  # an interrupt right after the guard went in: it no longer guards anything
+            guard, self.guard = self.guard, None
+            guard.pending.clear()
+            guard.remove()
         failures = self._undo("undo")
         st._release(self)
         if failures:
@@ -195,9 +202,10 @@ class Switch:
     def orphaned(self) -> bool:
         """True when the with-block that entered this switch has been left without its restore.
 
-        The one interrupt point no code can close: a signal delivered as ``__exit__`` starts,
-        before its first line. The entering frame is then off the stack while the switch is
-        still active; the state's next use in this thread restores it (see ``BoundState``)."""
+        A Ctrl-C at ``__exit__``'s first lines is held by the switch's ``ExitGuard``; one that
+        still skips the restore (a handler that is not Python, a signal in another form) leaves
+        the entering frame off the stack while the switch is active; the state's next use in this
+        thread restores it (see ``BoundState``)."""
         if self.frame is None:
             return False
         f: FrameType | None = sys._getframe(1)
@@ -211,6 +219,15 @@ class Switch:
         st = self.state
         if st._active is not self:  # entry never completed (or a foreign exit): nothing is held
             return
+        guard, self.guard = self.guard, None
+        try:
+            self._restore_held(ev)
+        finally:
+            if guard is not None:
+                guard.remove()  # a Ctrl-C held by the guard is raised here, the switch restored
+
+    def _restore_held(self, ev: BaseException | None) -> None:
+        st = self.state
         with deferred():
             stale = st._stale_inside(self)  # before the restore hides it (never raises)
             failures = self._undo("restore")
@@ -221,3 +238,7 @@ class Switch:
                 raise err from (ev if ev is not None else failures[0][1])
             if stale is not None and ev is None:  # restored cleanly; the body's own exception wins
                 raise stale
+
+
+# where a Ctrl-C is held by a switch's ExitGuard: __exit__ and the restore up to its held section
+_EXIT_CODES = frozenset({Switch.__exit__.__code__, Switch._restore.__code__})

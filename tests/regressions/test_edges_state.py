@@ -621,3 +621,35 @@ def test_a_second_ctrl_c_gets_through_a_recompute_fn_that_hangs():
     assert time.monotonic() - t0 < 4
     assert torch.equal(m.lens, before[0]) and torch.equal(m.token_map, before[1])  # rolled back
     st.check_usable()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_ctrl_c_at_the_first_line_of_exit_is_restored_before_the_handler_runs(gen, native):
+    # Regression: issue 29, a Ctrl-C delivered at the first line of Switch.__exit__ left every swapped attribute on
+    # its twin and the draft contents in place until the state's next use: an `except KeyboardInterrupt:` handler
+    # (a checkpoint save) read draft state.
+    from graphctl.state.transaction import Switch
+    from graphctl.testing.interrupts import call_interrupted
+
+    m = MiniMetadata(gen)
+    with graphctl.knobs.scope(native_switch=native):
+        st = bind(m, registry=make_registry())
+        before = _contents(st)
+        seen = {}
+
+        def op():
+            try:
+                with st.switch("draft", "eager"):
+                    st.write("seq_lens", torch.ones(5, dtype=torch.int32))
+            except KeyboardInterrupt:
+                # what the user's handler reads, before any later use of the state
+                seen["manager"] = m.kv_cache_manager is st._objects["kv_cache_manager"]
+                seen["contents"] = all(torch.equal(getattr(m, n), t) for n, t in before.items())
+                raise
+
+        out, where = call_interrupted(op, 1, files=(Switch.__exit__.__code__,))
+        assert isinstance(out, KeyboardInterrupt) and where, (out, where)
+        assert seen == {"manager": True, "contents": True}, seen
+        assert st._active is None
+        with st.switch("draft", "eager"):
+            pass
