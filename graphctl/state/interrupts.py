@@ -131,10 +131,11 @@ class ExitGuard:
     checkpoint save read draft state until the state's next use. Any other SIGINT goes to the
     handler that was installed, at once. A guard never replaces a handler it did not save."""
 
-    __slots__ = ("codes", "saved", "pending", "handle", "active")
+    __slots__ = ("codes", "owner", "saved", "pending", "handle", "active")
 
-    def __init__(self, codes: frozenset) -> None:
+    def __init__(self, codes: frozenset, owner: object) -> None:
         self.codes, self.saved, self.pending, self.active = codes, None, [], False
+        self.owner = id(owner)  # the switch it guards (by id: a guard left installed must not keep it alive)
         self.handle = self._handle  # one bound method: compared by identity on removal
 
     def install(self) -> ExitGuard:
@@ -146,10 +147,14 @@ class ExitGuard:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if frame is not None and ((self.active and frame.f_code in self.codes) or frame.f_code is _REMOVE):
-            # in __exit__ before its held section, or in remove() itself (which delivers what it holds at its end)
-            self.pending.append((signum, frame))
-            return
+        if frame is not None and (frame.f_code in self.codes or frame.f_code is _REMOVE):
+            # in its own switch's __exit__ before the held section, or in its own remove() (which delivers what it
+            # holds at its end); a guard left installed by a switch that never exited holds nothing of others
+            me = frame.f_locals.get("self")
+            mine = id(me) == self.owner if frame.f_code in self.codes else me is self
+            if mine and (self.active or frame.f_code is _REMOVE):
+                self.pending.append((signum, frame))
+                return
         # removed but reinstalled by a section that saved it meanwhile: forwards, as the handler it replaced
         self.saved(signum, frame)
 

@@ -149,7 +149,7 @@ class Switch:
                         exc.add_note(f"graphctl: {name} could not be undone ({type(why).__name__}: {why}); "
                                      "state poisoned")
                     raise
-            self.guard = ExitGuard(_EXIT_CODES)  # assigned first: an interrupt in between finds it for _unwind
+            self.guard = ExitGuard(_EXIT_CODES, self)  # assigned first: an interrupt in between finds it for _unwind
             self.guard.install()
             return self
         except BaseException:
