@@ -653,3 +653,30 @@ def test_a_ctrl_c_at_the_first_line_of_exit_is_restored_before_the_handler_runs(
         assert st._active is None
         with st.switch("draft", "eager"):
             pass
+
+
+def test_a_guard_left_by_a_switch_never_exited_holds_no_other_switchs_ctrl_c(gen):
+    # Regression: issue 29, the exit guard of a switch entered and never exited stayed the process's SIGINT handler
+    # and held the Ctrl-C of every later switch's exit for good (the full suite's sweeps swallowed 2-3 points).
+    import signal
+
+    from graphctl.state.transaction import Switch
+    from graphctl.testing.interrupts import call_interrupted
+
+    left = bind(MiniMetadata(gen), registry=make_registry())
+    stray = left.switch("draft", "eager")
+    stray.__enter__()  # never exited by its with-statement: its guard stays installed
+    try:
+        st = bind(MiniMetadata(gen), registry=make_registry())
+
+        def op():
+            with st.switch("draft", "eager"):
+                pass
+
+        for at in (1, 2, 3):  # __exit__'s lines: before, at and after its restore (its own guard removed by then)
+            out, where = call_interrupted(op, at, files=(Switch.__exit__.__code__,))
+            assert isinstance(out, KeyboardInterrupt) and where, (at, out, where)
+            assert st._active is None
+    finally:
+        stray.__exit__(None, None, None)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
