@@ -134,7 +134,9 @@ class ExitGuard:
     __slots__ = ("codes", "owner", "saved", "pending", "handle", "active")
 
     def __init__(self, codes: frozenset, owner: object) -> None:
-        self.codes, self.saved, self.pending, self.active = codes, None, [], False
+        self.codes, self.active = codes, False
+        self.saved: Callable[[int, Any], object] = _signal.default_int_handler  # replaced by install()
+        self.pending: list[tuple[int, Any]] = []
         self.owner = id(owner)  # the switch it guards (by id: a guard left installed must not keep it alive)
         self.handle = self._handle  # one bound method: compared by identity on removal
 
