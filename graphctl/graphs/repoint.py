@@ -31,6 +31,7 @@ import torch
 
 from graphctl.errors import RepointError
 from graphctl.state.interrupts import deferred
+from graphctl.state.validate import byte_range
 
 __all__ = ["Move", "entries", "lookup", "moves_between", "repoint"]
 
@@ -48,14 +49,6 @@ class Move:
     def map(self, address: int) -> int | None:
         """The new address of ``address``, or None when it is not in this move's span."""
         return address - self.start + self.new_start if self.start <= address < self.end else None
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """First and one-past-last byte ``t`` can touch (its strides included)."""
-    if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
-    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def moves_between(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> list[Move]:
@@ -77,7 +70,7 @@ def moves_between(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
                                fix="allocate the new buffer with the captured shape, dtype and strides (a different "
                                    "size bakes different launch shapes: reset() and capture again)")
         if a.data_ptr() != b.data_ptr():
-            start, end = _span(a)
+            start, end = byte_range(a)
             moves.append(Move(name, start, end, b.data_ptr(), b))
     spans = sorted((m.start, m.end, m.new_start - m.start, m.name) for m in moves)
     for (_, e0, d0, n0), (s1, _, d1, n1) in zip(spans, spans[1:]):

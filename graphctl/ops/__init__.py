@@ -97,10 +97,9 @@ def fingerprint(bufs: Sequence[torch.Tensor]) -> torch.Tensor:
 def token_to_request_(out: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, pad_value: int = 0) -> None:
     """Token-to-request map of the cumulative layout of ``seq_lens``, padded past ``num_tokens``
     (a negative length counts as 0; ``GRAPHCTL_CHECK_LENGTHS`` refuses one)."""
-    if _KNOBS["check_lengths"] and seq_lens.numel() and bool((seq_lens < 0).any()):
-        bad = int((seq_lens.reshape(-1) < 0).nonzero()[0])
-        raise ValueError(f"graphctl::token_to_request_: seq_lens[{bad}] = {int(seq_lens.reshape(-1)[bad])} is "
-                         "negative (GRAPHCTL_CHECK_LENGTHS is on); write non-negative lengths")
+    if _KNOBS["check_lengths"] and (bad := reference.first_negative(seq_lens)) is not None:
+        raise ValueError(f"graphctl::token_to_request_: seq_lens[{bad[0]}] = {bad[1]} is negative "
+                         "(GRAPHCTL_CHECK_LENGTHS is on); write non-negative lengths")
     if uses_extension():
         torch.ops.graphctl.token_to_request_(out, seq_lens, int(num_tokens), int(pad_value))
     else:

@@ -106,6 +106,16 @@ def fingerprint(bufs: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int64, device="cpu")
 
 
+def first_negative(t: torch.Tensor) -> tuple[int, int] | None:
+    """(flat index, value) of the first negative element of ``t``, or None (a host sync on a GPU)."""
+    flat = t.reshape(-1)
+    neg = (flat < 0).nonzero()
+    if not neg.numel():
+        return None
+    i = int(neg[0])
+    return i, int(flat[i])
+
+
 def token_to_request_(out: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, pad_value: int) -> None:
     """``out[t] = searchsorted(cumsum(seq_lens), t, right=True)`` for ``t < num_tokens``
     (the request that owns token ``t``; ``len(seq_lens)`` past the last token), and

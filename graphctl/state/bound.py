@@ -282,12 +282,13 @@ class BoundState:
     def _call_user(self, label: str, fn: Callable[..., Any], *args: Any) -> Any:
         prev, prev_thread = self._in_user, self._in_user_thread
         self._in_user = f"{label} ({getattr(fn, '__qualname__', type(fn).__name__)})"
-        # traced by dynamo inside a compiled switch (state/traced.py), where a thread id cannot be read
-        self._in_user_thread = None if torch.compiler.is_compiling() else threading.get_ident()
+        # traced by dynamo inside a compiled switch (state/traced.py): no thread id, no signal bookkeeping there
+        traced = torch.compiler.is_compiling()
+        self._in_user_thread = None if traced else threading.get_ident()
         try:
             if self._user_hook is not None:
                 self._user_hook(self._in_user)
-            if torch.compiler.is_compiling():
+            if traced:
                 return fn(*args)
             with in_user_code():  # a second Ctrl-C gets through a callable that hangs
                 return fn(*args)

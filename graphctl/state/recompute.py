@@ -142,10 +142,6 @@ class OpCall:
                 out.append(inputs[int(m.group(2))])
         return tuple(out)
 
-    def inputs_used(self) -> list[int]:
-        return [int(m.group(2)) for a in self.args if isinstance(a, str) and (m := _PLACEHOLDER.fullmatch(a))
-                and m.group(2) is not None]
-
     def bind(self, out: Any, inputs: tuple[Any, ...]) -> list[Any]:
         """The op's arguments with the placeholders replaced."""
         vals = []

@@ -12,7 +12,15 @@ from graphctl.errors import BindError, SwitchError, did_you_mean
 from graphctl.state import paths
 from graphctl.state.spec import BufferDecl, CopyInPlace
 
-__all__ = ["validate", "bind_aliases", "check_source", "source_label", "source_meta", "span"]
+__all__ = ["validate", "bind_aliases", "byte_range", "check_source", "source_label", "source_meta", "span"]
+
+
+def byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """First and one-past-last byte ``t`` can touch (its strides included)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def span(t: torch.Tensor) -> tuple[int, int]:

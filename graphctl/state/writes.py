@@ -18,6 +18,7 @@ from graphctl.knobs import knobs
 from graphctl.state import paths
 from graphctl.state.interrupts import deferred
 from graphctl.state.spec import BufferDecl, OpCall
+from graphctl.state.validate import byte_range
 
 __all__ = ["write", "write_many", "pad", "check"]
 
@@ -154,11 +155,7 @@ def overlaps(value: torch.Tensor, target: torch.Tensor) -> bool:
         return False
     if value.data_ptr() == target.data_ptr() and value.shape == target.shape and value.stride() == target.stride():
         return False  # the buffer itself (or the same view): a copy onto itself, which torch allows
-    def extent(t: torch.Tensor) -> tuple[int, int]:  # strides included: a strided view reaches past numel
-        last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()) if n) if t.numel() else -1
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    (lo, hi), (tlo, thi) = extent(value), extent(target)
+    (lo, hi), (tlo, thi) = byte_range(value), byte_range(target)
     return lo < thi and tlo < hi
 
 
@@ -166,13 +163,12 @@ def check_lengths(st, name: str, value: torch.Tensor) -> None:
     """Under ``GRAPHCTL_CHECK_LENGTHS``: a value an OpCall token map reads as lengths has none negative."""
     for derived, d in st.plan.buffers.items():
         fn = d.derive.fn if d.derive is not None else None
-        if isinstance(fn, OpCall) and name in fn.length_inputs(d.derive.inputs) and value.numel():
-            flat = value.reshape(-1)
-            if bool((flat < 0).any()):  # a host sync on a GPU: the knob's documented cost
-                i = int((flat < 0).nonzero()[0])
+        if isinstance(fn, OpCall) and name in fn.length_inputs(d.derive.inputs):
+            bad = ops.reference.first_negative(value)  # a host sync on a GPU: the knob's documented cost
+            if bad is not None:
                 raise SwitchError("write() value holds a negative length", buffer=name,
                                   expected=f"lengths >= 0 ({fn.op} of '{derived}' reads them)",
-                                  found=f"{int(flat[i])} at index {i}",
+                                  found=f"{bad[1]} at index {bad[0]}",
                                   fix="write non-negative lengths (0 for a request with no tokens)")
 
 
