@@ -79,15 +79,24 @@ def _no_poisoning():
     return _patched(bound.BoundState, "_poison", poison)
 
 
-def _native_undo_restores_no_contents():
-    """The native table's undo puts the attributes back but leaves every snapshotted buffer
-    holding the switched contents (as if its copy-back were dropped)."""
+def _native_step_mutant(wrap):
+    """``native_step`` with ``wrap(st, phase, step)`` applied to every native step it builds."""
     real = native.native_step
 
     def mutant(st, phase):
         step = real(st, phase)
-        if step is None:
-            return None
+        if step is not None:
+            wrap(st, phase, step)
+        return step
+
+    return _patched(bound, "native_step", mutant)
+
+
+def _native_undo_restores_no_contents():
+    """The native table's undo puts the attributes back but leaves every snapshotted buffer
+    holding the switched contents (as if its copy-back were dropped)."""
+
+    def wrap(st, phase, step):
         undo = step.undo
 
         def bad_undo():
@@ -97,19 +106,14 @@ def _native_undo_restores_no_contents():
                 t.copy_(v)
 
         step.undo = bad_undo
-        return step
 
-    return _patched(bound, "native_step", mutant)
+    return _native_step_mutant(wrap)
 
 
 def _native_apply_skips_the_swaps():
     """The native table's apply copies and recomputes but never rebinds a swapped attribute."""
-    real = native.native_step
 
-    def mutant(st, phase):
-        step = real(st, phase)
-        if step is None:
-            return None
+    def wrap(st, phase, step):
         apply = step.apply
 
         def bad_apply():
@@ -118,9 +122,8 @@ def _native_apply_skips_the_swaps():
                 paths.put(st.obj, name, st._tensors.get(name, st._objects.get(name)))
 
         step.apply = bad_apply
-        return step
 
-    return _patched(bound, "native_step", mutant)
+    return _native_step_mutant(wrap)
 
 
 MUTATIONS = {
