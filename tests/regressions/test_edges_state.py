@@ -415,23 +415,30 @@ def test_a_copy_source_changed_in_place_is_checked_again(native, change):
         assert torch.equal(m.pos, before)
 
 
+class _Lens:
+    """lens [1, 2, 0, 3], its twin dlens, and the token map derived from lens."""
+
+    def __init__(self):
+        self.lens = torch.tensor([1, 2, 0, 3], dtype=torch.int32)
+        self.dlens = torch.tensor([2, 2, 2, 2], dtype=torch.int32)
+        self.token_map = torch.zeros(8, dtype=torch.int32)
+
+
+def _bind_lens(spec):
+    """A fresh ``_Lens`` bound under ``spec`` (its own registry)."""
+    reg = Registry()
+    reg.register(_Lens, spec)
+    m = _Lens()
+    return m, bind(m, registry=reg)
+
+
 def _lens_state(draft=None):
     spec = StateSpec("lens")
     spec.buffer("lens", dtype=torch.int32, mutable=True, **({"draft": draft} if draft else {}))
     spec.buffer("dlens", dtype=torch.int32, mutable=True)
     spec.buffer("token_map", dtype=torch.int32,
                 derive=Recompute(["lens"], graphctl.OpCall("token_to_request_", ("out", "in0", "out.numel", -1))))
-
-    class M:
-        def __init__(self):
-            self.lens = torch.tensor([1, 2, 0, 3], dtype=torch.int32)
-            self.dlens = torch.tensor([2, 2, 2, 2], dtype=torch.int32)
-            self.token_map = torch.zeros(8, dtype=torch.int32)
-
-    reg = Registry()
-    reg.register(M, spec)
-    m = M()
-    return m, bind(m, registry=reg)
+    return _bind_lens(spec)
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -481,17 +488,7 @@ def test_another_thread_during_a_recompute_fn_gets_concurrent_use_not_nesting(ca
                 draft=Swap("dlens"))
     spec.buffer("dlens", shape=("S",), dtype=torch.int32, mutable=True)
     spec.buffer("token_map", dtype=torch.int32, derive=Recompute(["lens"], slow_map))
-
-    class M:
-        def __init__(self):
-            self.lens = torch.tensor([1, 2, 0, 3], dtype=torch.int32)
-            self.dlens = torch.tensor([2, 2, 2, 2], dtype=torch.int32)
-            self.token_map = torch.zeros(8, dtype=torch.int32)
-
-    reg = Registry()
-    reg.register(M, spec)
-    m = M()
-    st = bind(m, registry=reg)
+    m, st = _bind_lens(spec)
     armed.set()
     errors = []
 
@@ -604,16 +601,7 @@ def test_a_second_ctrl_c_gets_through_a_recompute_fn_that_hangs():
     spec = StateSpec("hang")
     spec.buffer("lens", dtype=torch.int32, mutable=True)
     spec.buffer("token_map", dtype=torch.int32, derive=Recompute(["lens"], hangs))
-
-    class M:
-        def __init__(self):
-            self.lens = torch.tensor([1, 2, 0, 3], dtype=torch.int32)
-            self.token_map = torch.zeros(8, dtype=torch.int32)
-
-    reg = Registry()
-    reg.register(M, spec)
-    m = M()
-    st = bind(m, registry=reg)
+    m, st = _bind_lens(spec)
     before = (m.lens.clone(), m.token_map.clone())
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
@@ -663,6 +651,7 @@ def test_a_guard_left_by_a_switch_never_exited_holds_no_other_switchs_ctrl_c(gen
     from graphctl.state.transaction import Switch
     from graphctl.testing.interrupts import call_interrupted
 
+    found = signal.getsignal(signal.SIGINT)  # the default, or a guard an earlier test's stray switch left
     left = bind(MiniMetadata(gen), registry=make_registry())
     stray = left.switch("draft", "eager")
     stray.__enter__()  # never exited by its with-statement: its guard stays installed
@@ -679,4 +668,4 @@ def test_a_guard_left_by_a_switch_never_exited_holds_no_other_switchs_ctrl_c(gen
             assert st._active is None
     finally:
         stray.__exit__(None, None, None)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is found  # the stray's exit put back what it found
