@@ -159,6 +159,41 @@ def _bad_source():
     _enter(st)
 
 
+def _source_changed_in_place():
+    m, st = _mini()
+    with st.switch("draft", "eager"):
+        pass
+    m.draft_positions.data = m.draft_positions.float()  # the same object, now float32
+    _enter(st)
+
+
+def _lens_spec(**lens):
+    return _spec(("buffer", "lens", {"dtype": I32, "mutable": True, **lens}),
+                 ("buffer", "dlens", {"dtype": I32, "mutable": True}),
+                 ("buffer", "token_map", {"dtype": I32, "derive": Recompute(
+                     ["lens"], OpCall("token_to_request_", ("out", "in0", "out.numel", -1)))}))
+
+
+def _lens_state(**lens):
+    return _bind(_lens_spec(**lens), lens=torch.tensor([1, 2, 0, 3], dtype=I32),
+                 dlens=torch.tensor([2, 2, 2, 2], dtype=I32), token_map=T(8, dtype=I32))
+
+
+def _negative_length():
+    from graphctl import knobs
+
+    st = _lens_state()
+    with knobs.scope(check_lengths=True):
+        st.write("lens", torch.tensor([2, -1, 3, 1], dtype=I32))
+
+
+def _one_storage_two_values():
+    st = _lens_state(draft=Swap("dlens"))
+    _enter(st)
+    st.write_many({"lens": torch.tensor([1, 1, 1, 1], dtype=I32),
+                   "dlens": torch.tensor([2, 2, 2, 2], dtype=I32)})
+
+
 def _restore_fails():
     m, st = _mini()
     st._fault_hook = lambda stage, step, when: (_ for _ in ()).throw(RuntimeError("device lost")) \
@@ -878,6 +913,15 @@ CASES: list[Case] = [
     ),
     Case("use-rebound", SwitchError, "use", "a buffer attribute reallocated after bind()", _rebound),
     Case("use-source", SwitchError, "use", "a callable CopyInPlace source returning the wrong shape", _bad_source),
+    Case("use-source-changed", SwitchError, "use",
+         "a CopyInPlace source changed in place since the last switch (`.data =`, `resize_`, `set_`)",
+         _source_changed_in_place),
+    Case("use-negative-length", SwitchError, "use",
+         "write() of a negative length an `OpCall` token map reads, under `GRAPHCTL_CHECK_LENGTHS=1`",
+         _negative_length),
+    Case("use-write-many-one-storage", SwitchError, "use",
+         "write_many() giving a swapped buffer and its twin (one tensor inside the switch) two values",
+         _one_storage_two_values),
     Case(
         "use-pad-inside",
         SwitchError,
