@@ -13,10 +13,12 @@ spec, a generator for values)::
 
 Rules: writes (outside and inside a switch, each followed by a consistency check), switch
 enter/exit in every phase, bodies raising ``Exception`` and ``BaseException``, faults injected
-before/after any apply, undo or restore step and *inside* the fused snapshot and restore ops
-(half the buffers written, then a raise), nested switch attempts, switches and writes issued
-from inside the state's own user callables (``Recompute`` fns, ``CopyInPlace`` sources), and a
-second thread using the state while a switch owns it. Invariants after every step: outside a
+before/after any apply, undo or restore step, *inside* the fused snapshot and restore ops
+(half the buffers written, then a raise) and at the k-th op any entry or exit dispatches
+(``graphctl.testing.faults``: they reach inside the native table too), nested switch
+attempts, switches and writes issued from inside the state's own user callables
+(``Recompute`` fns, ``CopyInPlace`` sources), and a second thread using the state while a
+switch owns it. Invariants after every step: outside a
 switch every buffer is bitwise what the model says (or the state is poisoned and refuses all
 use, exactly when an undo, restore or in-op fault fired); derived buffers equal ``fn(inputs)``,
 recomputed here from the current bindings without going through graphctl; addresses and
@@ -24,71 +26,21 @@ attribute bindings unchanged; no allocation inside a switch.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphctl import ops
 from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitchError, StaleBufferError, SwitchError
 from graphctl.state import PHASES, bind
 from graphctl.testing.alloc import AllocationTracker
+from graphctl.testing.faults import InjectedFault, InjectedInterrupt, fault_at_op, partial_op
 from graphctl.testing.strategies import Case, cases
 
 __all__ = ["SwitchMachine", "InjectedFault", "InjectedInterrupt"]
-
-
-class InjectedFault(Exception):
-    """A fault the machine raised on purpose."""
-
-
-class InjectedInterrupt(BaseException):
-    """A ``KeyboardInterrupt``-like fault: not an ``Exception``."""
-
-
-@contextlib.contextmanager
-def _partial_op(name: str, fired: list[str], stage: str) -> Iterator[None]:
-    """Make the next call of ``ops.<name>`` write its first half of the buffers, then raise."""
-    real = getattr(ops, name)
-    armed = [True]
-
-    def half_then_raise(statics, arenas, *rest, validate=True):
-        if not armed[0]:  # fire once
-            return real(statics, arenas, *rest, validate=validate)
-        armed[0] = False
-        k = len(statics) // 2
-        if k:
-            real(statics[:k], arenas[:k], *(r[:k] for r in rest), validate=validate)
-        fired.append(stage)
-        raise InjectedFault(f"{name} failed after {k} of {len(statics)} buffers")
-
-    class HalfThenRaise(TorchDispatchMode):
-        """The same fault where the native switch table calls the op (through the dispatcher, no
-        Python wrapper): the in-op fault reaches inside the native step too."""
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if armed[0] and func is getattr(torch.ops.graphctl, name).default:
-                armed[0] = False
-                statics, arenas, *rest = args
-                k = len(statics) // 2
-                if k:
-                    func(statics[:k], arenas[:k], *(r[:k] for r in rest))
-                fired.append(stage)
-                raise InjectedFault(f"{name} (native) failed after {k} of {len(statics)} buffers")
-            return func(*args, **(kwargs or {}))
-
-    setattr(ops, name, half_then_raise)
-    try:
-        with HalfThenRaise() if ops.uses_extension() else contextlib.nullcontext():
-            yield
-    finally:
-        setattr(ops, name, real)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -245,6 +197,8 @@ class SwitchMachine(RuleBasedStateMachine):
                 assert "apply" in self.fired[n_fired:], "an exception escaped without an apply fault"
                 assert self.state.active_phase is None
                 return
+            except Exception as exc:  # a usable state's switch raised: a bug the machine reports as such
+                raise AssertionError(f"entry into {phase} raised {exc!r}") from exc
         assert not alloc.allocations, f"switch entry allocated: {alloc.allocations}"
         assert len(self.fired) == n_fired, "a fault fired but entry succeeded"
         self.switch = cm
@@ -294,7 +248,7 @@ class SwitchMachine(RuleBasedStateMachine):
         phase = data.draw(st.sampled_from(self.phases), label="phase")
         cm = self.state.switch("draft", phase)
         n_fired = len(self.fired)
-        with _partial_op("swap_through_", self.fired, "inside"):
+        with partial_op("swap_through_", self.fired, "inside"):
             try:
                 cm.__enter__()
             except InjectedFault:
@@ -304,13 +258,54 @@ class SwitchMachine(RuleBasedStateMachine):
         self.switch = cm  # the phase snapshots nothing: entry completed
         self._check_inside()
 
+    @precondition(lambda self: not self.faults)
+    @rule(data=st.data(), k=st.integers(0, 6), kind=st.sampled_from([InjectedFault, InjectedInterrupt]))
+    def fault_at_any_op(self, data: Any, k: int, kind: type) -> None:
+        """A raise at the k-th op the switch's entry or exit dispatches (inside the native table's
+        puts and recomputes, or a Python step's): entry rolls back (or poisons, where the fault hit
+        a fused op that may have written part of its buffers); exit restores or poisons; the
+        exception propagates as itself."""
+        if self._rebuilt_if_poisoned(data):
+            return
+        entering = self.switch is None
+        cm = self.state.switch("draft", data.draw(st.sampled_from(self.phases), label="phase")) if entering \
+            else self.switch
+        n_fired = len(self.fired)
+        raised = None
+        with fault_at_op(k, kind, self.fired, "op") as seen:
+            try:
+                cm.__enter__() if entering else cm.__exit__(None, None, None)
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                raised = exc
+        if not entering:
+            self.switch = None
+        if len(self.fired) == n_fired:  # fewer than k + 1 ops: a plain entry or exit
+            assert raised is None, raised
+            if entering:
+                self.switch = cm
+                self._check_inside()
+            return
+        at = seen[k]  # the ops after it are the undo's or restore's
+        note(f"fault at op {k} of {'entry' if entering else 'exit'}: {at}")
+        poisoned = self.state.poisoned is not None
+        if entering:
+            assert isinstance(raised, kind), f"entry fault at {at} surfaced as {raised!r}"
+            assert self.state.active_phase is None, "a failed entry left the switch active"
+            # an undo can put back everything but what a fused op wrote part of: only that poisons
+            assert not poisoned or at.startswith("graphctl."), f"entry fault at {at} poisoned the state"
+        else:
+            assert isinstance(raised, (kind, CorruptedStateError)), f"exit fault surfaced as {raised!r}"
+            assert poisoned or isinstance(raised, kind), "exit raised CorruptedStateError but the state is usable"
+        if poisoned:
+            self.fired.append("inside")  # the invariants then check that a poisoned state refuses every use
+
     @precondition(lambda self: self.switch is not None and not self.faults)
     @rule()
     def exit_with_fault_inside_the_restore(self) -> None:
         """The fused restore raises after writing half its buffers: the state is poisoned."""
         cm, self.switch = self.switch, None
         n_fired = len(self.fired)
-        with _partial_op("copy_", self.fired, "inside"):
+        with partial_op("copy_", self.fired, "inside"):
             try:
                 cm.__exit__(None, None, None)
             except CorruptedStateError:

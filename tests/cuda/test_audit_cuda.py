@@ -8,7 +8,7 @@ import torch
 
 import graphctl
 from graphctl import ReplayError, StaleBufferError
-from support.audit import dangling_temporary, engine_audits, target_reads_refreshed
+from support.audit import dangling_temporary, engine_audits, stale_token_map, target_reads_refreshed
 
 pytestmark = pytest.mark.cuda
 
@@ -115,3 +115,13 @@ def test_no_findings_on_the_reference_engine_at_every_bucket_cuda(gen):
     print("dropped possible findings:", [str(f) for a in audits.values() for f in a.dropped])
     a = audits[16]
     assert a.usage["target"] and a.usage["draft"], str(a)  # segments really were attributed
+
+
+@pytest.mark.parametrize("via_state", [True, False])
+def test_stale_derived_rule_never_flags_a_kernel_on_cuda(gen, via_state):
+    # Regression: issue 29, the stale-derived rule must not cry wolf on CUDA, where a kernel's touch says neither
+    # read nor write: a state.write in the step is clean; an in-place fill_ (a kernel) is for the emulated audit.
+    _, _, a = stale_token_map("cuda", "cuda", gen, via_state=via_state)
+    assert not [str(f) for f in a.findings if f.kind == "stale-derived"], str(a)
+    _, _, e = stale_token_map("cpu", "emulated", gen, via_state=via_state)
+    assert bool([f for f in e.errors if f.kind == "stale-derived"]) is not via_state, str(e)

@@ -126,7 +126,18 @@ def _native_apply_skips_the_swaps():
     return _native_step_mutant(wrap)
 
 
+def _native_step_not_undone_after_a_partial_apply():
+    """The native step counts as applied only once its apply returned (``idempotent`` dropped),
+    so an op raising inside the table after its puts leaves them, and its copies, in place."""
+
+    def wrap(st, phase, step):
+        step.idempotent = False
+
+    return _native_step_mutant(wrap)
+
+
 MUTATIONS = {
+    "native step not undone after a partial apply": (_native_step_not_undone_after_a_partial_apply, SwitchMachine),
     "native undo restores no contents": (_native_undo_restores_no_contents, SwitchMachine),
     "native apply skips the swaps": (_native_apply_skips_the_swaps, SwitchMachine),
     "skip one undo": (_skip_one_undo, SwitchMachine),

@@ -46,6 +46,37 @@ def target_reads_refreshed(device: str, backend: str, gen: torch.Generator) -> A
     return f.audit()[4]
 
 
+def stale_token_map(device: str, backend: str, gen: torch.Generator, *, via_state: bool = False,
+                    compiled: bool = False):
+    """The draft step writes ``seq_lens`` in place (``fill_``, not ``state.write``) and then reads
+    ``req_idx_per_token``, derived from it: the stale-token-map class (issue 29). ``via_state``:
+    the correct write, for the clean twin; ``compiled``: the read runs inside a compiled function
+    (``aot_eager``: one recorded call on the emulated backend). Returns ``(runner, toy, audit)``."""
+    toy = Toy(device, gen, backend=backend)
+    st = toy.state
+
+    def head(req, h):
+        return h * (req[:, None].float() + 1)
+
+    read = torch.compile(head, backend="aot_eager", fullgraph=True) if compiled else head
+
+    def fwd(tokens, positions, meta):
+        n = tokens.shape[0] // 3
+        h = positions[:, None].float() * 0.5
+        with st.switch("draft"):
+            if via_state:
+                st.write("seq_lens", torch.ones(n, dtype=torch.int32, device=tokens.device))
+            else:
+                meta.seq_lens[:n].fill_(1)  # the map of (k+1) tokens a request is now stale
+            d = read(meta.req_idx_per_token[:n], h[:n])
+        return d
+
+    f = graphctl.graphed(fwd, buckets=[4], state=st, backend=backend, progress=False,
+                         inputs=[StaticInput("tokens", per_item=3), StaticInput("positions", per_item=3)])
+    f.capture_all(*toy.batch(4), toy.meta)
+    return f, toy, f.audit()[4]
+
+
 def engine_audits(device: str, backend: str, gen: torch.Generator, buckets=(2, 4, 8),
                   confirm: bool = False) -> dict[int, Audit]:
     """The reference engine graphed at ``buckets``, audited with its weights and caches as params."""

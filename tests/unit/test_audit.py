@@ -8,7 +8,7 @@ import torch
 import graphctl
 from graphctl.graphs.analysis.audit import AddressMap
 from graphctl.graphs.analysis.nodes import Region, short_name
-from support.audit import dangling_temporary, engine_audits, target_reads_refreshed
+from support.audit import dangling_temporary, engine_audits, stale_token_map, target_reads_refreshed
 
 
 @pytest.fixture
@@ -39,6 +39,29 @@ def test_segment_audit_names_a_target_read_of_a_buffer_refreshed_before_replay(g
     # declared read by the target, read only by the draft here
     assert {(x.kind, x.buffer, x.segment) for x in a.warnings} == {("unread-reader", "block_offsets", "target")}
     assert a.usage["draft"]["draft_block_offsets"] == "read" and "draft_block_offsets" in a.usage["target"]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_segment_audit_names_a_read_of_a_map_left_stale_by_an_in_place_input_write(gen, compiled):
+    # Regression: issue 29, meta.seq_lens.fill_(1) inside a switch left req_idx_per_token stale; verify() saw equal
+    # outputs and audit() reported 0 errors though its own usage line said "seq_lens (write)".
+    f, toy, a = stale_token_map("cpu", "emulated", gen, compiled=compiled)
+    stale = [e for e in a.errors if e.kind == "stale-derived"]
+    assert [(e.buffer, e.segment) for e in stale] == [("req_idx_per_token", "draft")], str(a)
+    e = stale[0]
+    assert "'seq_lens'" in e.message and "aten::fill_" in e.message and "state.write" in e.message, str(e)
+    assert e.node is not None and e.op != "aten::fill_", str(e)  # the reading op, not the write
+    assert all(r.ok for r in f.verify()), "eager and replay are equally wrong: verify cannot see it"
+    # the same forward run eagerly under GRAPHCTL_CHECK_STALE is caught at its switch's exit
+    with graphctl.knobs.scope(check_stale=True), pytest.raises(graphctl.StaleBufferError, match="req_idx_per_token"):
+        f.fn(*toy.batch(4), toy.meta)
+
+
+def test_the_same_step_writing_through_the_state_has_no_stale_finding(gen):
+    # Regression: issue 29, the rule must not flag a write followed by its recompute (state.write, pad, restores).
+    _, _, a = stale_token_map("cpu", "emulated", gen, via_state=True)
+    assert not a.errors and not [f for f in a.findings if f.kind == "stale-derived"], str(a)
+    assert a.usage["draft"]["seq_lens"] == "write" and "req_idx_per_token" in a.usage["draft"], a.usage
 
 
 def test_no_findings_on_the_reference_engine_at_every_bucket(gen):

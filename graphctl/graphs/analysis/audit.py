@@ -39,9 +39,18 @@ post). graphctl's own switch kernels are the declared machinery and are skipped.
 - **warning** ``unread-reader``: a buffer whose ``readers=`` names a role that no node of that
   role touches. Buffers left at the default readers (any segment), host mirrors and ``Stable``
   scratch declare nothing to check.
+- **error** ``stale-derived``: a node reads a derived buffer after a write of one of its
+  ``Recompute`` inputs that no recompute followed (``meta.seq_lens.fill_(1)`` instead of
+  ``state.write("seq_lens", ...)``, then a read of ``req_idx_per_token``): replay and eager are
+  equally wrong, so ``verify()`` cannot see it. Named with the reading op, the write's op and
+  node, the input and the derived buffer. A write of a derived buffer (its recompute, or a
+  snapshot restore: a copy from graphctl's arena) makes it current again; ``Stable`` scratch
+  inputs never make anything stale (recompute fns use them as workspace).
 
 Kernel arguments do not say whether a kernel reads or writes a pointer, so on CUDA a "touch"
-counts as both.
+counts as both for usage. The stale-derived rule needs to know writes from reads, so on CUDA it
+sees copies and memsets only (a kernel's touch of a derived buffer makes it current, never
+flags); the emulated audit of the same forward, or ``GRAPHCTL_CHECK_STALE``, sees the rest.
 """
 from __future__ import annotations
 
@@ -66,7 +75,7 @@ _PRIORITY = {"buffer": 0, "arena": 0, "input": 0, "output": 1, "argument": 1, "p
 @dataclasses.dataclass(frozen=True, slots=True)
 class Finding:
     severity: str  # "error", "possible" (an unconfirmed dangling word) or "warning"
-    kind: str  # "dangling", "unregistered", "refreshed-in-target", "unread-reader"
+    kind: str  # "dangling", "unregistered", "refreshed-in-target", "unread-reader", "stale-derived"
     buffer: str  # the buffer or memory region concerned
     segment: str  # the segment (or role, for unread-reader) it was found in
     op: str | None  # the kernel or op name
@@ -260,4 +269,50 @@ def audit_graph(graph: Any, bucket: int, *, known: Sequence[tuple[str, str, torc
                 if not any(n in u for s, u in usage.items() if _role(s) == r):
                     findings.append(Finding("warning", "unread-reader", n, r, None,
                                             f"declared as read by {r} segments, none reads it"))
+    if plan is not None:
+        findings += _stale_reads(nodes, seg_of, amap, plan)
     return Audit(bucket, tuple(findings), usage, classes, census(nodes))
+
+
+def _stale_reads(nodes: Sequence[Node], seg_of: Mapping[int, str], amap: AddressMap, plan: Any) -> list[Finding]:
+    """The ``stale-derived`` rule (module docstring), in node order: which derived buffers a
+    write of one of their inputs left stale, and which node read one before its recompute."""
+    inputs = {n: set(d.derive.inputs) for n, d in plan.buffers.items() if d.derive is not None}
+    scratch = {n for n, d in plan.buffers.items() if d.stable}
+    # a Swap's twin stands for its base inside a draft segment: a write to the bound block table
+    # there is a write of the recompute's input "block_table"
+    twins: dict[str, set[str]] = {}
+    for ph in plan.phases.values():
+        for attr, twin in ph.swaps:
+            twins.setdefault(twin, set()).add(attr)
+    stale: dict[str, tuple[str, str, int]] = {}  # derived -> (input, writing op, node)
+    out: list[Finding] = []
+    for node, at in flatten(nodes):
+        top = int(at.split("/")[0])
+        hits = [(amap.lookup(r.address), r) for r in node.refs]
+        named = [(h[0], r) for h, r in hits if h is not None and h[0].kind in ("buffer", "arena")]
+        restore = any(reg.kind == "arena" and r.access == "read" for reg, r in named)
+        snapshot = any(reg.kind == "arena" and r.access != "read" for reg, r in named)
+        bufs = [(reg.name, r.access) for reg, r in named if reg.kind == "buffer"]
+        touched = {b for b, _ in bufs} | {a for b, _ in bufs for a in twins.get(b, ())}
+        for b, access in bufs:
+            if b not in stale or node.graphctl or snapshot:
+                continue
+            if access == "write" or (access == "touch" and (node.kind == "kernel" or touched & inputs[b])):
+                continue  # its recompute (or a kernel: read or write unknown); cleared below
+            i, op, k = stale.pop(b)
+            out.append(Finding("error", "stale-derived", b, seg_of.get(top, "target"), node.name,
+                               f"{node.kind} reads '{b}' after {op} (node {k}) wrote its Recompute input '{i}' in "
+                               f"place with no recompute between: write '{i}' through state.write(), not in place",
+                               top, f"{'read' if access == 'read' else 'touch'} of {b}"))
+        for b, access in bufs:
+            if access == "read":
+                continue
+            stale.pop(b, None)  # written (or touched by a kernel): current again
+            if access != "write" or restore or b in scratch:
+                continue
+            for name in {b} | twins.get(b, set()) if seg_of.get(top, "target").startswith("draft") else {b}:
+                for d in plan.dependents.get(name, ()):
+                    if d != b and not node.graphctl:
+                        stale.setdefault(d, (name, node.name, top))
+    return out
