@@ -67,8 +67,11 @@ class KVCacheManager:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one layer's K/V of each token at its slot; a :data:`PAD_SLOT` token writes the
-        spare slot's own value back into it (so a padded replay leaves every byte an eager run
-        of the live batch leaves, and padded lanes never collide with live ones)."""
+        spare slot's own value back into it: a padded lane changes no byte of any cache (no
+        other sequence's blocks, no spare block) and never collides with a live lane. The live
+        lanes' values are the forward's; computed at the bucket's row count they may differ in
+        the last bits from an eager run of the live rows alone (matmul rounding depends on the
+        row count on some CPUs)."""
         spare = self.num_blocks * self.block_size
         live = slots >= 0
         at = torch.where(live, slots, spare)

@@ -415,9 +415,17 @@ def test_the_reference_engine_padded_lanes_write_no_kv_of_live_sequences(backend
     for t, b in zip(caches, before):
         t.copy_(b)
     got = step(ids, m)
+    # tokens are argmaxes: robust to the last-bit differences below
     assert torch.equal(got.accepted.clone(), want.accepted) and torch.equal(got.drafts.clone(), want.drafts)
-    for i, (g, w) in enumerate(zip(caches, want_caches)):
-        assert torch.equal(g, w), f"cache {i}: the replay wrote {int((g != w).sum())} values eager leaves alone"
+    for i, (g, w, b) in enumerate(zip(caches, want_caches, before)):
+        # what the name says, bitwise: every value the eager step of the 3 live requests leaves alone (other
+        # sequences' blocks, spare blocks) the padded replay leaves alone too
+        untouched = w == b
+        assert torch.equal(g[untouched], b[untouched]), \
+            f"cache {i}: the replay wrote {int((g[untouched] != b[untouched]).sum())} values eager leaves alone"
+        # the live rows the step writes: computed at 4 rows here, at 3 eagerly; matmul rounding depends on the row
+        # count on some CPUs (an AVX-512 EPYC differed by 3.6e-7), so within a stated tolerance, not bitwise
+        torch.testing.assert_close(g[~untouched], w[~untouched], rtol=1e-5, atol=1e-5, msg=f"cache {i}: live rows")
     assert int(m.slot_mapping[3 * k1]) == PAD_SLOT  # past the live tokens: the sentinel
 
 
