@@ -15,9 +15,11 @@ what was expected, what was found, and how to fix it. All of them pickle.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError",
+__all__ = ["noted", "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError",
            "ConcurrentUseError", "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
            "RepointError", "did_you_mean"]
 
@@ -31,6 +33,17 @@ def did_you_mean(name: str, candidates: Any) -> str:
     close = difflib.get_close_matches(name, [c for c in candidates if isinstance(c, str) and c != name], n=1,
                                       cutoff=0.75)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+@contextlib.contextmanager
+def noted(note: str) -> Iterator[None]:
+    """Let an ``Exception`` from the block (the user's forward, as itself) through with ``note``
+    added: where graphctl was when it came (``graphctl: verify() of bucket 8 at n=3 ...``)."""
+    try:
+        yield
+    except Exception as exc:
+        exc.add_note(note)
+        raise
 
 
 def _fmt(v: Any) -> str:

@@ -22,10 +22,10 @@ examples:
   graphctl capture --max-batch 32 --draft-len 7 --plot latency.png --dot dots/
   graphctl capture mypkg.engine:make_target --buckets 1,2,4,8 --hard-fail-on-fallback
 
-exit codes: 0 clean; 1 verify mismatch, audit error or a forward that raised during capture
-(one line naming the bucket and the cause; --traceback for the full one); 2 bad options,
-TARGET or output path; 3 a batch size no graph served (with --hard-fail-on-fallback);
-130 interrupted (Ctrl-C)."""
+exit codes: 0 clean; 1 verify mismatch, audit error or a forward that raised at any stage
+(capture, timing, verify, audit, coverage: one line naming the stage, bucket and cause;
+--traceback for the full one); 2 bad options, TARGET, target fields or output path (one
+line); 3 a batch size no graph served (with --hard-fail-on-fallback); 130 interrupted."""
 
 _BENCH = """\
 Run the benchmarks in bench/ (all, or the ones named), print their tables and write one JSON
@@ -108,11 +108,15 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--hard-fail-on-fallback", action="store_true",
                    help="exit 3 when any batch size from 1 to --max-batch fell back to eager, or a compiled frame "
                         "ran uncompiled in a capture (e.g. in CI: graphctl capture --hard-fail-on-fallback)")
+    c.add_argument("--time", action=argparse.BooleanOptionalAction, default=None,
+                   help="time replay against eager per bucket (default: on CUDA only; emulated timings mean nothing "
+                        "and cost most of a CPU run), e.g. --time on the CPU, --no-time on a GPU")
     c.add_argument("--iters", type=_positive, default=20, metavar="N",
                    help="timed calls per bucket for the medians, e.g. --iters 50 (default 20)")
     c.add_argument("--seed", type=int, default=0, help="seed of --verify's random inputs, e.g. --seed 7 (default 0)")
     c.add_argument("--traceback", action="store_true",
-                   help="print the full traceback when the forward raises during capture (default: one line)")
+                   help="print the full traceback when the target or the forward fails at any stage (default: one "
+                        "line naming the stage and bucket)")
     c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar during capture, e.g. --no-progress in logs (default: when stderr is a terminal)")
 

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-__all__ = ["run_bench", "bench_dir", "available"]
+__all__ = ["run_bench", "bench_dir", "available", "first_sentence"]
 
 
 def bench_dir() -> pathlib.Path:
@@ -22,19 +22,27 @@ def available() -> dict[str, pathlib.Path]:
     return {p.stem: p for p in sorted(d.glob("*.py"))} if d.is_dir() else {}
 
 
+def first_sentence(source: str) -> str:
+    """The first sentence of a module's docstring, whole (its lines joined), without markup."""
+    parts = source.split('"""')
+    text = " ".join(parts[1].split("\n\n")[0].split()) if len(parts) > 1 else ""
+    end = next((i + 1 for i, c in enumerate(text) if c == "." and (i + 1 == len(text) or text[i + 1] == " ")),
+               len(text))
+    return text[:end].replace("``", "").replace("*", "").removesuffix(":") + ("." if text[:end].endswith(":") else "")
+
+
 def run_bench(args) -> int:
     from rich.console import Console
 
     con = Console()
     benches = available()
     if not benches:
-        con.print(f"[red]graphctl bench: no benchmarks in {bench_dir()}: they ship with the source checkout; run "
-                  "from a clone of the repository")
+        con.print(f"[red]graphctl bench: no benchmarks in {bench_dir()}: they ship with the source checkout, not "
+                  "the wheel; run graphctl bench from a clone of the repository (make build)")
         return 2
     if args.list:
         for name, path in benches.items():
-            doc = (path.read_text().split('"""')[1].strip().splitlines() or [""])[0]
-            con.print(f"{name:14s} {doc}")
+            con.print(f"{name:14s} {first_sentence(path.read_text())}", highlight=False, soft_wrap=True)
         return 0
     unknown = [n for n in args.names if n not in benches]
     if unknown:

@@ -7,18 +7,22 @@ served under ``--hard-fail-on-fallback``; 2 bad options or a TARGET that cannot 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import json
 import os
 import platform
 import sys
+import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 import graphctl
 from graphctl.cli.target import load_target
-from graphctl.errors import CaptureError, GraphctlError
+from graphctl.errors import GraphctlError, did_you_mean
 
 __all__ = ["run_capture", "derive_buckets", "coverage_rows", "SCHEMA"]
 
@@ -82,10 +86,10 @@ def _header_text(head: dict[str, Any]) -> str:
             f"graphctl {head['graphctl']}, backend {head['backend']}")
 
 
-def _table(report, verify: dict[int, list], audits: dict[int, Any], per_item: int):
+def _table(name: str, report, verify: dict[int, list], audits: dict[int, Any], per_item: int):
     from rich.table import Table
 
-    t = Table(title=f"{report.function}: {report.backend} graphs")
+    t = Table(title=f"{name}: {report.backend} graphs")
     for col in ("bucket", "tokens", "capture ms", "pool MiB", "nodes", "replay us", "eager us", "speedup", "verify",
                 "audit"):
         t.add_column(col, justify="right")
@@ -137,15 +141,24 @@ def _plot(path: str, report) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     bs = [b.bucket for b in report.buckets]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(bs, [b.replay_us or float("nan") for b in report.buckets], "o-", label="graph replay")
-    ax1.plot(bs, [b.eager_us or float("nan") for b in report.buckets], "s--", label="eager")
-    ax1.set(xscale="log", yscale="log", xlabel="bucket (batch items)", ylabel="median latency (us)",
-            title="latency per bucket")
-    ax1.set_xticks(bs, [str(b) for b in bs])
-    ax1.legend()
+    if any(b.replay_us for b in report.buckets):
+        ax1.plot(bs, [b.replay_us or float("nan") for b in report.buckets], "o-", label="graph replay")
+        ax1.plot(bs, [b.eager_us or float("nan") for b in report.buckets], "s--", label="eager")
+        ax1.set(xscale="log", yscale="log", xlabel="bucket (batch items)", ylabel="median latency (us)",
+                title="latency per bucket")
+        ax1.set_xticks(bs, [str(b) for b in bs])
+        # plain numbers on the log latency axis: matplotlib's minor labels read "3x10^0" within one decade
+        plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+        ax1.yaxis.set_major_formatter(plain)
+        ax1.yaxis.set_minor_formatter(plain)
+        ax1.legend()
+    else:
+        ax1.set(title="latency per bucket", xticks=[], yticks=[])
+        ax1.text(0.5, 0.5, "not timed\n(graphctl capture --time)", ha="center", va="center")
     ax2.bar([str(b) for b in bs], [b.pool_bytes / 2**20 for b in report.buckets])
     ax2.set(xlabel="bucket (batch items)", ylabel="MiB", title="pool memory added by each capture")
     fig.suptitle(f"{report.function} ({report.backend}, {report.device})", fontsize=10)
@@ -175,76 +188,136 @@ def _unwritable(args) -> str | None:
     return None
 
 
+class _Stop(Exception):
+    """Ends the command with one line and an exit code (2: the options or the target; 1: the
+    forward failed at a stage); the cause is kept for ``--traceback``."""
+
+    def __init__(self, rc: int, line: str, cause: BaseException | None = None) -> None:
+        super().__init__(line)
+        self.rc, self.line, self.cause = rc, line, cause
+
+
+def _one_line(exc: BaseException) -> str:
+    notes = [n for n in getattr(exc, "__notes__", ()) if n.startswith("graphctl")]
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())  # a multi-line message on one line
+    return text + "".join(f" ({' '.join(n.split())})" for n in notes[:1])
+
+
+@contextlib.contextmanager
+def _stage(name: str, rc: int) -> Iterator[None]:
+    """Any ``Exception`` inside becomes one line naming the stage (and the bucket, where the
+    error knows it); ``KeyboardInterrupt`` and ``SystemExit`` propagate as themselves."""
+    try:
+        yield
+    except _Stop:
+        raise
+    except Exception as exc:
+        bucket = getattr(exc, "bucket", None)
+        where = f" (bucket {bucket})" if bucket is not None else ""
+        raise _Stop(rc, f"{name}{where} failed: {_one_line(exc)}", exc) from exc
+
+
 def run_capture(args) -> int:
     from rich.console import Console
     from rich.markup import escape
 
     con = Console(width=max(100, Console().width), soft_wrap=True)  # findings stay on one line: grep-able
-    backend = args.backend
-    if backend == "cuda" and not torch.cuda.is_available():
-        con.print("[red]graphctl capture: --backend cuda needs a CUDA device; use --backend emulated or auto")
-        return 2
+    try:
+        return _run(con, args)
+    except _Stop as stop:
+        more = "" if args.traceback or stop.cause is None else " (--traceback for the full one)"
+        con.print(f"[red]graphctl capture: {escape(stop.line)}{more}")
+        if args.traceback and stop.cause is not None:
+            traceback.print_exception(stop.cause)
+        return stop.rc
+
+
+def _check_options(args) -> None:
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        raise _Stop(2, "--backend cuda needs a CUDA device; use --backend emulated or auto")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError as exc:
-            con.print(
-                f"[red]graphctl capture: --plot needs matplotlib ({exc}): pip install 'graphctl[plot]', or drop --plot"
-            )
-            return 2
+            raise _Stop(2, f"--plot needs matplotlib ({exc}): pip install 'graphctl[plot]', or drop --plot") from None
     bad = _unwritable(args)
     if bad:
-        con.print(f"[red]graphctl capture: {escape(bad)}")
-        return 2
+        raise _Stop(2, bad)
+    if args.hf_config and args.target:
+        raise _Stop(2, "give a TARGET or --hf-config, not both")
+    if args.compile and not args.hf_config:
+        raise _Stop(2, "--compile applies to --hf-config models; compile your own TARGET's forward in its factory "
+                       "(torch.compile, mode='default')")
+    if args.buckets and args.max_batch and max(args.buckets) > args.max_batch:
+        raise _Stop(2, f"--buckets {','.join(map(str, args.buckets))} has buckets above --max-batch "
+                       f"{args.max_batch}: the example holds {args.max_batch} items; raise --max-batch or drop them")
+    if args.hf_config:
+        try:
+            from graphctl.integrations.hf.configs import NAMES
+        except ImportError as exc:
+            raise _Stop(2, f"--hf-config needs transformers ({exc}): pip install 'graphctl[transformers]'") from None
+        if args.hf_config not in NAMES and not os.path.isfile(args.hf_config):
+            near = did_you_mean(args.hf_config, NAMES)
+            raise _Stop(2, f"unknown --hf-config {args.hf_config!r}{near}: one of {', '.join(NAMES)}, or a path "
+                           "to a config JSON")
+
+
+def _run(con, args) -> int:
+    from rich.markup import escape
+
+    _check_options(args)
+    backend = args.backend
     use_cuda = backend == "cuda" or (backend == "auto" and torch.cuda.is_available())
     device = "cuda" if use_cuda else "cpu"
     # The factory's example holds max_batch items: every batch size up to it must be served.
     max_batch = args.max_batch or (max(args.buckets) if args.buckets else 64)
     buckets = args.buckets or derive_buckets(max_batch)
-    if args.hf_config and args.target:
-        con.print("[red]graphctl capture: give a TARGET or --hf-config, not both")
-        return 2
-    if args.compile and not args.hf_config:
-        con.print("[red]graphctl capture: --compile applies to --hf-config models; compile your own TARGET's "
-                  "forward in its factory (torch.compile, mode='default')")
-        return 2
     spec, extra = ((HF_TARGET, {"hf_config": args.hf_config, "compile": args.compile}) if args.hf_config
                    else (args.target or BUILTIN, {}))
-    try:
-        target = load_target(spec, device=device, max_batch=max_batch, draft_len=args.draft_len, **extra)
-    except GraphctlError as exc:
-        con.print(f"[red]graphctl capture: {escape(str(exc))}")
-        return 2
+    with _stage("loading the target", 2):
+        try:
+            target = load_target(spec, device=device, max_batch=max_batch, draft_len=args.draft_len, **extra)
+        except GraphctlError as exc:
+            raise _Stop(2, " ".join(str(exc).split())) from None
+    name = target.name or args.target or BUILTIN
     head = _device_header("cuda" if use_cuda else "emulated")
     con.print(_header_text(head))
-    con.print(escape(f"target: {target.name or args.target or BUILTIN}; buckets {buckets}"))
-    runner = graphctl.GraphRunner(target.forward, buckets=buckets, state=target.state, inputs=target.inputs,
-                                  backend="cuda" if use_cuda else "emulated", fallback="eager", params=target.params,
-                                  progress=args.progress)
-    try:
+    con.print(escape(f"target: {name}; buckets {buckets}"))
+    with _stage("setting up the runner (the target's state, inputs or params)", 2):
+        try:
+            inspect.signature(target.forward).bind(*target.example)
+        except TypeError as exc:  # the example does not fit the forward: the target's fault, before any run
+            raise _Stop(2, f"the example does not fit {name}: {exc}; fix CaptureTarget.example") from None
+        except ValueError:  # no signature to check: the capture says
+            pass
+        runner = graphctl.GraphRunner(target.forward, buckets=buckets, state=target.state, inputs=target.inputs,
+                                      backend="cuda" if use_cuda else "emulated", fallback="eager",
+                                      params=target.params, progress=args.progress)
+    with _stage("capture", 1):
         runner.capture_all(*target.example)
-    except CaptureError as exc:
-        cause = exc.__cause__ if exc.__cause__ is not None else exc
-        bucket = getattr(exc, "bucket", None)
-        where = f"bucket {bucket}" if bucket is not None else "capture"
-        con.print(f"[red]graphctl capture: {escape(where)} failed: {escape(f'{type(cause).__name__}: {cause}')}"
-                  + ("" if args.traceback else " (--traceback for the full one)"))
-        if args.traceback:
-            con.print_exception()
-        return 1
-    runner.measure(iters=args.iters)
+    # emulated graphs re-run every op from Python: their timings mean nothing, so they cost nothing unless asked
+    timed = args.time if args.time is not None else use_cuda
+    if timed:
+        with _stage("timing replay against eager", 1):
+            runner.measure(iters=args.iters)
     verify: dict[int, list] = {}
     if args.verify:
-        for r in runner.verify(gen=torch.Generator().manual_seed(args.seed)):
-            verify.setdefault(r.bucket, []).append(r)
-    audits = runner.audit(confirm=args.audit == "confirm") if args.audit else {}
-    served = runner.coverage(range(1, max_batch + 1))
+        with _stage("verify", 1):
+            for r in runner.verify(gen=torch.Generator().manual_seed(args.seed)):
+                verify.setdefault(r.bucket, []).append(r)
+    with _stage("audit", 1):
+        audits = runner.audit(confirm=args.audit == "confirm") if args.audit else {}
+    with _stage("coverage", 1):
+        served = runner.coverage(range(1, max_batch + 1))
     rows = coverage_rows(served, target.per_item)
     report = runner.report()
-    con.print(_table(report, verify, audits, target.per_item))
-    if not use_cuda:
+    con.print(_table(name, report, verify, audits, target.per_item))
+    if not use_cuda and timed:
         con.print("emulated graphs re-run every recorded op from Python: replay is not faster than eager here; "
                   "the timing columns mean something on CUDA")
+    elif not timed:
+        con.print("not timed: emulated graphs re-run every op from Python, so replay vs eager means nothing here "
+                  "(--time times them anyway)")
     con.print(_coverage_table(rows))
     for z in report.padding_hazards:  # padded input rows indexing a write into lasting state
         con.print(escape(f"padding hazard: padded rows of input '{z['input']}' index {z['op']} into {z['target']} "
@@ -308,7 +381,7 @@ def run_capture(args) -> int:
         _plot(args.plot, report)
         con.print(f"plot: {args.plot}")
     if args.json:
-        doc = {"schema": SCHEMA, "header": head, "target": target.name or args.target or BUILTIN,
+        doc = {"schema": SCHEMA, "header": head, "target": name,
                "report": report.to_dict(),
                "verify": [dataclasses.asdict(r) | {"ok": r.ok} for rs in verify.values() for r in rs],
                "audit": {str(b): a.to_dict() for b, a in audits.items()},

@@ -46,6 +46,22 @@ class CaptureTarget:
     params: Any = None  # model tensors for the audit (nn.Module, mapping or iterable)
     name: str = ""
 
+    def __post_init__(self) -> None:
+        # checked here, where the factory builds it: a wrong field found later is a traceback far from its cause
+        if not callable(self.forward):
+            raise DeclarationError("CaptureTarget.forward is not callable", expected="the forward to capture",
+                                   found=type(self.forward).__name__, fix="CaptureTarget(forward=model.step, ...)")
+        if not isinstance(self.example, (tuple, list)):
+            raise DeclarationError("CaptureTarget.example is not a tuple of arguments",
+                                   expected="the positional arguments of one call, e.g. (ids, meta)",
+                                   found=type(self.example).__name__, fix="example=(ids, meta), even for one argument")
+        object.__setattr__(self, "example", tuple(self.example))
+        if self.inputs is not None and (isinstance(self.inputs, str) or not all(
+                isinstance(i, (str, StaticInput)) for i in self.inputs)):
+            raise DeclarationError("CaptureTarget.inputs is not a list of input names or StaticInputs",
+                                   expected="e.g. [StaticInput('input_ids', per_item=4)] or ['x']",
+                                   found=repr(self.inputs)[:80], fix="inputs=[...] naming the forward's parameters")
+
     @property
     def per_item(self) -> int:
         """Rows of the first static input per batch item (``k + 1`` tokens for a draft step)."""
@@ -69,6 +85,8 @@ def load_target(spec: str, **options: Any) -> CaptureTarget:
     mod_name, sep, attr = spec.rpartition(":")
     if not sep or not mod_name or not attr:
         raise _bad(spec, "no ':factory' part", "name the factory: graphctl capture mypkg.engine:make_target")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # `python -m` has it; the console script does not
+        sys.path.insert(0, os.getcwd())  # (as uvicorn and gunicorn do: a target next to where you stand)
     if mod_name.endswith(".py"):
         if not os.path.isfile(mod_name):
             raise _bad(spec, f"no file {mod_name}", "give a path that exists, relative to the current directory")
@@ -99,7 +117,9 @@ def load_target(spec: str, **options: Any) -> CaptureTarget:
         pass
     try:
         target = factory(**options)
-    except Exception as exc:
+    except DeclarationError as exc:  # a CaptureTarget field the factory got wrong: its own fix applies
+        raise _bad(spec, f"{attr}(): {exc.what} (found {exc.found})", exc.fix or "fix the factory") from exc
+    except (Exception, SystemExit) as exc:  # SystemExit: its code would pass for one of graphctl's own
         raise _bad(spec, f"{attr}() raised {type(exc).__name__}: {exc}", "fix the factory") from exc
     if not isinstance(target, CaptureTarget):
         raise _bad(spec, f"{attr}() returned {type(target).__name__}", "return graphctl.CaptureTarget(...)")

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from graphctl.errors import ReplayError
+from graphctl.errors import ReplayError, noted
 from graphctl.graphs.capture import tiled
 from graphctl.graphs.captured import Captured
 from graphctl.graphs.inputs import Buckets, StaticInput
@@ -55,12 +55,15 @@ def measure(runner: Measurable, iters: int = 20) -> None:
             cap = runner.record(b)
             args, kwargs = runner.assemble({**arguments, **tiled(runner.inputs, arguments, n, b)})
             before = cap.replays
-            cap.replay_us = median_us(runner.device, lambda: runner(*args, **kwargs), iters, given.restore)
+            with noted(f"graphctl: measure() of bucket {b}, graphed call"):
+                cap.replay_us = median_us(runner.device, lambda: runner(*args, **kwargs), iters, given.restore)
             if cap.replays - before < iters:  # every timed call must have replayed this bucket
                 raise ReplayError(f"measure() of bucket {b} did not replay it", expected=f"{iters} replays",
                                   found=f"{cap.replays - before}", fix="report this: the bucket picked for "
                                   f"a batch of {b} is {runner.buckets.pick(b)}")
-            cap.eager_us = median_us(runner.device, lambda: runner.fn(*args, **kwargs), iters, given.restore)
+            with noted(f"graphctl: measure() of bucket {b}, eager forward"):
+                cap.eager_us = median_us(runner.device, lambda: runner.fn(*args, **kwargs), iters, given.restore)
+
 
 
 def coverage(runner: Measurable, sizes: Iterable[int] | None = None) -> dict[int, str]:

@@ -86,3 +86,51 @@ def interrupted(*, device: str, max_batch: int, **_) -> CaptureTarget:
 
     x = torch.randn(max_batch, 4, generator=torch.Generator().manual_seed(2)).to(device)
     return CaptureTarget(forward=fwd, example=(x,), inputs=["x"], name="interrupted")
+
+
+def _like_small(device: str, max_batch: int, **change) -> CaptureTarget:
+    import dataclasses
+
+    return dataclasses.replace(small(device=device, max_batch=max_batch), **change)
+
+
+def forward_none(*, device: str, max_batch: int, **_) -> CaptureTarget:
+    return _like_small(device, max_batch, forward=None)
+
+
+def bare_tensor_example(*, device: str, max_batch: int, **_) -> CaptureTarget:
+    return _like_small(device, max_batch, example=torch.randn(max_batch, 8).to(device))
+
+
+def object_state(*, device: str, max_batch: int, **_) -> CaptureTarget:
+    return _like_small(device, max_batch, state=object())
+
+
+def unknown_input(*, device: str, max_batch: int, **_) -> CaptureTarget:
+    return _like_small(device, max_batch, inputs=["nope"])
+
+
+def example_missing_an_argument(*, device: str, max_batch: int, **_) -> CaptureTarget:
+    x = torch.randn(max_batch, 8).to(device)
+    return CaptureTarget(forward=lambda x, scale: x * scale, example=(x,), inputs=["x"], name="two_args")
+
+
+def exits_3(**_):
+    raise SystemExit(3)  # graphctl's own --hard-fail-on-fallback code: must not pass for it
+
+
+def raises_while_timed(*, device: str, max_batch: int, **_) -> CaptureTarget:
+    """The forward works through capture and verify, then fails on an eager call while timed."""
+    from graphctl.state.phase import is_recording
+
+    calls = [0]
+
+    def fwd(x):
+        if not is_recording() and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            calls[0] += 1
+            if calls[0] > 6:
+                raise RuntimeError("device lost")
+        return x * 2
+
+    x = torch.randn(max_batch, 4, generator=torch.Generator().manual_seed(2)).to(device)
+    return CaptureTarget(forward=fwd, example=(x,), inputs=["x"], name="raises_while_timed")

@@ -25,7 +25,7 @@ def _capture(capsys, *argv: str) -> tuple[int, str]:
 def test_builtin_engine_report_json_png_and_dot(capsys, tmp_path):
     j, png, dots = tmp_path / "r.json", tmp_path / "p.png", tmp_path / "dots"
     rc, out = _capture(capsys, "--max-batch", "4", "--verify", "--audit", "--json", str(j), "--plot", str(png),
-                       "--dot", str(dots))
+                       "--dot", str(dots), "--time")
     assert rc == 0, out
     for col in ("bucket", "tokens", "pool MiB", "nodes", "replay us", "eager us", "speedup", "verify", "audit"):
         assert col in out, out
@@ -79,6 +79,52 @@ def test_unserved_batch_sizes_exit_3_only_with_hard_fail(capsys):
 def test_bad_target_is_a_clear_error(capsys, target, why):
     rc, out = _capture(capsys, target)
     assert rc == 2 and "capture target cannot be loaded" in out and why in out and "Fix:" in out, out
+
+
+@pytest.mark.parametrize("factory,rc,why", [
+    ("forward_none", 2, "CaptureTarget.forward is not callable"),
+    ("bare_tensor_example", 2, "CaptureTarget.example is not a tuple"),
+    ("object_state", 2, "setting up the runner"),
+    ("unknown_input", 2, "[nope] static input is not a parameter"),
+    ("example_missing_an_argument", 2, "the example does not fit two_args"),
+    ("exits_3", 2, "raised SystemExit: 3"),
+    ("raises_while_timed", 1, "timing replay against eager failed: RuntimeError: device lost"),
+])
+def test_a_bad_target_or_failing_forward_is_one_line_never_a_traceback(capsys, factory, rc, why):
+    # Regression: issue 30, these exited 1 with a full traceback (a factory's SystemExit(3): exit 3, no output).
+    got, out = _capture(capsys, f"{TARGETS}:{factory}", "--max-batch", "2", "--time")
+    err = capsys.readouterr().err
+    lines = [x for x in out.splitlines() if x.startswith("graphctl capture:")]
+    assert got == rc and len(lines) == 1 and why in lines[0], out
+    assert "Traceback" not in out + err, out + err
+    if rc == 1:
+        assert "bucket" in lines[0] and "--traceback" in lines[0], lines
+
+
+def test_buckets_above_max_batch_are_one_line_exit_2(capsys):
+    # Regression: issue 30, an 18-line traceback ending in a DeclarationError, exit 1.
+    rc, out = _capture(capsys, "--buckets", "1,2,100", "--max-batch", "4")
+    assert rc == 2 and out.strip().startswith("graphctl capture: --buckets 1,2,100 has buckets above") and \
+        len(out.strip().splitlines()) == 1, out
+
+
+def test_a_target_module_in_the_current_directory_is_found(tmp_path, monkeypatch):
+    # Regression: issue 30, `graphctl capture my_target:make_target` beside my_target.py: No module named 'my_target'.
+    (tmp_path / "my_target_mod.py").write_text(
+        "import torch, graphctl\n"
+        "def make_target(*, device, max_batch, **_):\n"
+        "    x = torch.randn(max_batch, 4).to(device)\n"
+        "    return graphctl.CaptureTarget(forward=lambda x: x * 2, example=(x,), inputs=['x'], name='mine')\n")
+    exe = os.path.join(os.path.dirname(sys.executable), "graphctl")
+    r = subprocess.run([exe, "capture", "my_target_mod:make_target", "--max-batch", "2", "--no-progress"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "mine: emulated graphs" in r.stdout, r.stdout + r.stderr
+
+
+def test_emulated_runs_are_not_timed_unless_asked(capsys):
+    # Regression: issue 30, most of a 69 s CPU run timed replay against eager, numbers the output said meant nothing.
+    rc, out = _capture(capsys, f"{TARGETS}:small", "--max-batch", "2")
+    assert rc == 0 and "not timed" in out and "--time" in out, out
 
 
 @pytest.mark.parametrize("argv,why", [

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from graphctl.errors import DeclarationError
+from graphctl.errors import DeclarationError, noted
 
 __all__ = ["Mismatch", "Verifiable", "VerifyResult", "verify"]
 
@@ -141,7 +141,9 @@ def verify(runner: Verifiable, *, gen: torch.Generator | None = None, rtol: floa
                 # both runs see a state of n items, as after a caller's prepare for n: the example's state
                 # may describe more items than n (live rows past the bucket that the replay would read)
                 runner.pad_state(n)
-                with torch.no_grad():
+                fix = ("; if the forward cannot run on fewer items than its bucket, verify(inside=False) checks "
+                       "n = the bucket only" if n < b else "")
+                with torch.no_grad(), noted(f"graphctl: verify() of bucket {b} at n={n}, the eager forward{fix}"):
                     want, _ = tree_flatten_with_path(runner.fn(*args, **kwargs))
                 want = [(p, t.clone() if isinstance(t, torch.Tensor) else t) for p, t in want]
                 watched = [(name, who, t, t.clone()) for name, who, t in runner.written(n)] if writes != "off" else []
@@ -153,7 +155,8 @@ def verify(runner: Verifiable, *, gen: torch.Generator | None = None, rtol: floa
                     static = runner.static_input(si.name)
                     tail = static.narrow(si.dim, n * si.per_item, static.shape[si.dim] - n * si.per_item)
                     tail.fill_(_POISON[tail.dtype.is_floating_point] if tail.dtype != torch.bool else True)
-                got, _ = tree_flatten_with_path(runner(*args, **kwargs))
+                with noted(f"graphctl: verify() of bucket {b} at n={n}, the graphed call"):
+                    got, _ = tree_flatten_with_path(runner(*args, **kwargs))
                 got = [(p, t.clone() if isinstance(t, torch.Tensor) else t) for p, t in got]
                 # every write compared too, in the same restored state: a padded lane that writes live
                 # memory where eager writes nothing differs here even when every output agrees
