@@ -119,6 +119,12 @@ class Fixed:
         for name, want in cap.manifest.items():
             got = live.get(name)
             if got != want:
+                sw = state._active if state is not None else None
+                if sw is not None:  # the swap moved it, nobody else: say where the call is
+                    raise ReplayError(f"a graphed call inside an active '{sw.role}' switch ({sw.phase})",
+                                      buffer=name, expected="a call outside any switch of its state",
+                                      found=f"'{name}' bound to its {sw.role} twin", fix="call the graphed "
+                                      "function outside the with-statement: its graph holds its own switches")
                 raise ReplayError("static buffer moved since capture", buffer=name, expected=f"{want:#x}",
                                   found="not a tensor" if got is None else f"{got:#x}",
                                   fix="write into the buffer in place (state.write / copy_) instead of rebinding "

@@ -51,6 +51,22 @@ class Captured:
         self.eager_us: float | None = None
         self._sliced: dict[int, Any] = {}
 
+    def replay(self, state: Any) -> None:
+        """Replay the graph. A replay the emulated backend stopped at an op inside or after a
+        recorded switch (an op raising: out of memory, a device error, a profiler hook) may have
+        left draft contents in place with the switch's restore never run: the state is poisoned,
+        as after a failed restore, and the op's exception is the cause. A CUDA launch runs
+        whole or not at all (``failed_at`` stays None)."""
+        try:
+            self.graph.replay()
+        except Exception as exc:
+            at = self.graph.failed_at
+            first = min((s.start for s in self.segments if s.name.startswith("draft")), default=None)
+            if state is None or at is None or first is None or at < first:
+                raise  # nothing of a switch ran yet: the state is as it was
+            raise state._poison([(f"bucket {self.bucket}'s replay, stopped at recorded op {at} after its draft "
+                                  f"switch began", exc)]) from exc
+
     def result(self, n: int, copy: bool, check: bool) -> Any:
         """What a call returns: the outputs sliced to ``n`` (views of the static outputs), fresh
         copies (``copy_outputs=True``), or views that raise when read after this bucket replayed

@@ -304,12 +304,12 @@ class GraphRunner:
         if cap.draft and self._fixed.refreshes:
             if self.group is not None:  # a refresh that fails on one rank restores on all, before any replay
                 with agreed_switch(self.state, "draft", self._agreement, phase="refresh"):
-                    cap.graph.replay()
+                    cap.replay(self.state)
             else:
                 with self.state.switch("draft", phase="refresh"):
-                    cap.graph.replay()
+                    cap.replay(self.state)
         else:
-            cap.graph.replay()
+            cap.replay(self.state)
         cap.replays += 1
 
     def _unservable(self, args: tuple, kwargs: dict, err: ReplayError, n: int) -> Any:

@@ -393,3 +393,66 @@ def test_ctrl_c_at_any_line_of_a_capture_leaves_no_dispatch_mode_or_capture_flag
         assert not left, f"Ctrl-C at {line} left {left} ({type(out).__name__}: {out})"
         assert isinstance(out, KeyboardInterrupt), f"Ctrl-C at {line} surfaced as {out!r}"
     assert points > 10, points
+
+
+def test_verify_of_a_forward_that_cannot_run_below_its_bucket_names_bucket_n_and_the_fix():
+    # Regression: issue 30, verify() raised the forward's own size-mismatch RuntimeError, naming neither bucket nor n.
+    import graphctl
+
+    def fwd(x):
+        return x.view(4, -1) * 2  # only ever runs on 4 rows
+
+    f = graphctl.graphed(fwd, buckets=[4], backend="emulated", progress=False)
+    f.capture_all(torch.randn(4, 3))
+    with pytest.raises(RuntimeError) as info:
+        f.verify()
+    note = " ".join(getattr(info.value, "__notes__", []))
+    assert "bucket 4" in note and "n=" in note and "verify(inside=False)" in note, note
+    assert all(r.ok and r.n == 4 for r in f.verify(inside=False))
+
+
+def test_a_graphed_call_inside_its_states_switch_says_so(gen):
+    # Regression: issue 30, "static buffer moved since capture" for a call made inside an open draft switch.
+    from graphctl import ReplayError
+    from support.graphs import Toy
+
+    toy = Toy("cpu", gen)
+    toy.forward.capture_all(*toy.batch(4), toy.meta)
+    args = toy.batch(4)
+    with toy.state.switch("draft"):
+        with pytest.raises(ReplayError, match=r"inside an active 'draft' switch") as info:
+            toy.forward(*args, toy.meta)
+    assert "moved" not in str(info.value) and toy.state.poisoned is None
+    toy.forward(*args, toy.meta)  # outside: fine
+
+
+def test_an_op_failing_mid_replay_after_the_switch_began_poisons_the_state(gen):
+    # Regression: issue 30, an emulated replay stopped after its recorded swap_through_ (an op raising) left
+    # spec_positions holding draft contents and the state usable.
+    from graphctl import CorruptedStateError
+    from support.graphs import Toy
+
+    toy = Toy("cpu", gen)
+    toy.forward.capture_all(*toy.batch(4), toy.meta)
+    args = toy.batch(4)
+    g = toy.forward.graph(4)
+    names = g.op_names()
+    at = next(i for i, n in enumerate(names) if "tanh" in n and i > names.index("graphctl::swap_through_"))
+    real = g._ops[at].func
+
+    def oom(*a, **k):
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    g._ops[at].func = oom
+    with pytest.raises(CorruptedStateError, match="stopped at recorded op") as info:
+        toy.forward(*args, toy.meta)
+    assert isinstance(info.value.__cause__, RuntimeError) and toy.state.poisoned is not None
+    g._ops[at].func = real
+    # the same fault before any switch op: the state is as it was, the op's own error propagates
+    toy2 = Toy("cpu", gen)
+    toy2.forward.capture_all(*toy2.batch(4), toy2.meta)
+    g2 = toy2.forward.graph(4)
+    g2._ops[0].func = oom
+    with pytest.raises(RuntimeError, match="injected"):
+        toy2.forward(*toy2.batch(4), toy2.meta)
+    assert toy2.state.poisoned is None

@@ -25,6 +25,7 @@ class CapturedGraph(Protocol):
 
     node_count: int
     pool_bytes: int
+    failed_at: int | None  # the node a replay that raised stopped at; None when it runs whole or not at all
 
     def replay(self) -> None: ...
     def nodes(self) -> list[Node]: ...  # capture order, bodies nested (graphs/analysis/nodes.py)

@@ -85,6 +85,7 @@ class CudaGraph:
     def __init__(self, graph: torch.cuda.CUDAGraph, pool_bytes: int, order: list[int], pool: Any,
                  device: torch.device) -> None:
         self._graph = graph
+        self.failed_at: int | None = None  # a launch runs whole or not at all (see Captured.replay)
         self.pool_bytes = pool_bytes
         self.order = order  # node handles in capture order (segments slice it)
         self.node_count = len(order) if order else -1

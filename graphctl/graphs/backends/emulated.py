@@ -147,6 +147,7 @@ class EmulatedGraph:
 
     def __init__(self, ops: list[_Op]) -> None:
         self._ops = ops
+        self.failed_at: int | None = None  # the op a replay stopped at (None: it ran whole)
         seen: dict[int, int] = {}
         for op in ops:
             for _, t in op.fresh:
@@ -165,15 +166,18 @@ class EmulatedGraph:
         # A CUDA graph replay cannot be stopped halfway; neither can this one: a Ctrl-C that
         # arrives mid-replay is held until the last recorded op ran (a recorded switch would
         # otherwise be left half applied), then raised.
+        self.failed_at = None
         with deferred(), torch.no_grad():
-            for op in self._ops:
+            for i, op in enumerate(self._ops):
+                self.failed_at = i  # where an op that raises stopped the replay (Captured.replay poisons past a switch)
                 res = op.func(*op.args, **op.kwargs)  # a recorded compiled call runs compiled: no mode is on
-                for i in op.waits:
-                    res[i].wait()
+                for w in op.waits:
+                    res[w].wait()
                 if op.fresh:
                     flat, _ = tree_flatten(res)
-                    for i, t in op.fresh:
-                        t.copy_(flat[i])
+                    for j, t in op.fresh:
+                        t.copy_(flat[j])
+            self.failed_at = None
 
     def repoint(self, moves: list) -> Callable[[], int]:
         """The call that swaps every recorded tensor inside a moved span (``graphs/repoint.py``)
