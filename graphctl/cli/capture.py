@@ -22,7 +22,7 @@ import torch
 
 import graphctl
 from graphctl.cli.target import load_target
-from graphctl.errors import GraphctlError, did_you_mean
+from graphctl.errors import CaptureError, GraphctlError, did_you_mean
 
 __all__ = ["run_capture", "derive_buckets", "coverage_rows", "SCHEMA"]
 
@@ -213,8 +213,10 @@ def _stage(name: str, rc: int) -> Iterator[None]:
         raise
     except Exception as exc:
         bucket = getattr(exc, "bucket", None)
-        where = f" (bucket {bucket})" if bucket is not None else ""
-        raise _Stop(rc, f"{name}{where} failed: {_one_line(exc)}", exc) from exc
+        where = f" of bucket {bucket}" if bucket is not None else ""
+        # a CaptureError wraps the forward's own exception: that one is the news
+        shown = exc.__cause__ if isinstance(exc, CaptureError) and exc.__cause__ is not None else exc
+        raise _Stop(rc, f"{name}{where} failed: {_one_line(shown)}", exc) from exc
 
 
 def run_capture(args) -> int:
