@@ -19,6 +19,7 @@ export PIP_ROOT_USER_ACTION = ignore
 .PHONY: demo example test test-cuda lint build venv info clean
 
 $(VENV)/.deps: pyproject.toml scripts/build-requires.py
+	@echo "graphctl setup 1/3: $(VENV) with torch and the build requirements (first time: 2-5 min, a 3 GB download)"
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $$($(PYTHON) scripts/build-requires.py)
@@ -27,6 +28,7 @@ $(VENV)/.deps: pyproject.toml scripts/build-requires.py
 venv: $(VENV)/.deps
 
 $(VENV)/.built: $(VENV)/.deps setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
+	@echo "graphctl setup 2/3: compiling graphctl._C, installing graphctl and its dev tools (CPU kernels: 2-3 min; with CUDA kernels, on a GPU machine: 5-7 min)"
 	@# setuptools' editable-install notice (a warning, whatever the mode) is not for a newcomer to read
 	PYTHONWARNINGS="ignore:Editable installation" $(PIP) install -q --no-build-isolation -e '.[dev]'
 	touch $@
@@ -37,6 +39,7 @@ info: build
 	$(VENV)/bin/graphctl info
 
 demo: build
+	@echo "graphctl 3/3: the main job, graphctl capture --verify --audit (CPU: under a minute; GPU: about a minute)"
 	$(VENV)/bin/graphctl capture --verify --audit
 
 example: build
@@ -44,6 +47,7 @@ example: build
 
 # pytest exits 5 when it collected nothing; that must not pass silently, so say so and fail.
 test: build
+	@echo "graphctl 3/3: the test suite (CPU: 10-15 min on 2 cores)"
 	$(PY) -m pytest tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 

@@ -1,9 +1,11 @@
 """Builds the one extension, ``graphctl._C``, from ``csrc/``.
 
 The CPU kernels are always compiled. The CUDA kernels (``csrc/cuda/*.cu``) are compiled when
-they can be (``GRAPHCTL_BUILD_CUDA=auto``): torch was built with CUDA and a CUDA toolkit is
-found whose nvcc, ``cuda_runtime.h`` and ``libcudart`` are all there and whose major version is
-torch's. Otherwise the build says why in one line and compiles the CPU kernels only.
+they can be and can run here (``GRAPHCTL_BUILD_CUDA=auto``): torch was built with CUDA, the
+machine has an NVIDIA driver or GPU, and a CUDA toolkit is found whose nvcc, ``cuda_runtime.h``
+and ``libcudart`` are all there and whose major version is torch's (compiling them for two
+architectures takes minutes; on a machine that cannot run them it was most of a first set-up).
+Otherwise the build says why in one line and compiles the CPU kernels only.
 ``GRAPHCTL_BUILD_CUDA=1`` turns that line into an error (CI sets it); ``=0`` never builds CUDA.
 
 The toolkit is searched by ``graphctl/toolkit.py`` rather than left to torch, whose guess from
@@ -50,10 +52,12 @@ def _plan():
     knobs = _load_knobs()
     if knobs.build_cuda == "0":
         return None, None, "GRAPHCTL_BUILD_CUDA=0"
+    toolkit = _by_path("toolkit")
     if torch.version.cuda is None:
         why = f"torch {torch.__version__} is a CPU build"
+    elif knobs.build_cuda == "auto" and toolkit.driver() is None:
+        why = "this machine has no NVIDIA driver or GPU (GRAPHCTL_BUILD_CUDA=1 builds them anyway)"
     else:
-        toolkit = _by_path("toolkit")
         home, why = toolkit.find(knobs.cuda_home)
         if home is not None:
             nvcc = toolkit.nvcc_version(home)

@@ -76,9 +76,10 @@ KNOBS: tuple[Knob, ...] = (
          "Run eager, replay and refresh switches as one `graphctl._C` call per direction (a `SwitchTable` built "
          "at a phase's first switch). 0: the Python steps, the reference the native switch is tested against."),
     Knob("build_cuda", "GRAPHCTL_BUILD_CUDA", _parse_choice("auto", "0", "1"), "auto", "build",
-         "`auto`: build the CUDA kernels when torch has CUDA and a toolkit of its major version is "
-         "found (else one line says why, and the CPU kernels are built); `1`: require them (the "
-         "build fails, saying why); `0`: CPU-only build."),
+         "`auto`: build the CUDA kernels when torch has CUDA, the machine has an NVIDIA driver or "
+         "GPU, and a toolkit of torch's CUDA major version is found (else one line says why, and "
+         "the CPU kernels are built); `1`: require them, GPU or not (the build fails, saying why; "
+         "CI sets it where nvcc exists); `0`: CPU-only build."),
     Knob("cuda_home", "CUDA_HOME", str, "", "build",
          "The CUDA toolkit to build the kernels with (torch's own variable). Unset: `setup.py` "
          "searches the real directory of `nvcc` on `PATH`, `/usr/local/cuda`, then `/usr/local/cuda-*`, "

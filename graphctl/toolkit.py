@@ -14,7 +14,20 @@ import os
 import shutil
 import subprocess
 
-__all__ = ["find", "missing", "nvcc_version"]
+__all__ = ["find", "missing", "nvcc_version", "driver"]
+
+
+def driver() -> str | None:
+    """Where this machine shows an NVIDIA driver or GPU (the kernel module's ``/proc`` entry, a
+    device node, or the driver library ``libcuda``), or None. Without one, CUDA kernels could
+    not run here: ``GRAPHCTL_BUILD_CUDA=auto`` skips their minutes of compiling."""
+    for path in ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg"):
+        if os.path.exists(path):
+            return path
+    import ctypes.util
+
+    lib = ctypes.util.find_library("cuda")
+    return f"lib{lib}" if lib and not lib.startswith("lib") else lib
 
 
 def nvcc_version(home: str) -> str | None:
