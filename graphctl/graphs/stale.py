@@ -5,8 +5,9 @@ writes into the same memory (PyTorch #122192 is this bug in user code; its cudag
 on such an access). Under ``GRAPHCTL_CHECK_OUTPUTS=1`` every returned tensor is a
 :class:`Watched` view that remembers which bucket produced it, at which replay, from which line;
 any torch operation on it after that bucket replayed again raises ``ReplayError`` naming both
-calls' lines. Merely keeping the old name alive (``logits = step(x)`` in a loop) is no access,
-so it never raises. ``copy_outputs=True`` on the runner returns fresh tensors instead.
+calls' lines; a view taken of it (``out[0][1:]``, ``.view``, ``.T``) is watched the same way,
+since it reads the same memory. Merely keeping the old name alive (``logits = step(x)`` in a
+loop) is no access, so it never raises. ``copy_outputs=True`` on the runner returns fresh tensors instead.
 """
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ class Watched(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        for a in tree_flatten((args, kwargs))[0]:
-            if isinstance(a, Watched) and a._gc_cap.replays != a._gc_replay:
+        watched = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Watched)]
+        for a in watched:
+            if a._gc_cap.replays != a._gc_replay:
                 cap = a._gc_cap
                 raise ReplayError(
                     "an output was read after a later call overwrote it", buffer=f"output of bucket {cap.bucket}",
@@ -48,7 +50,24 @@ class Watched(torch.Tensor):
                     fix="clone what you keep (out.clone()), or pass copy_outputs=True to get fresh tensors")
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
-        return tree_map(lambda t: t.as_subclass(torch.Tensor) if isinstance(t, Watched) else t, out)
+            # a result sharing a watched output's memory (a view: out[0][1:], .view, .T, an in-place
+            # op's return) reads the bytes the next replay overwrites: it stays watched, as its source
+            homes = {a.untyped_storage().data_ptr(): a for a in watched if a.numel()}
+
+            def rewrap(t: Any) -> Any:
+                if not isinstance(t, torch.Tensor):
+                    return t
+                plain = t.as_subclass(torch.Tensor) if isinstance(t, Watched) else t
+                src = homes.get(plain.untyped_storage().data_ptr()) if plain.numel() else None
+                return plain if src is None else Watched._of(plain, src)
+
+            return tree_map(rewrap, out)
+
+    @staticmethod
+    def _of(t: torch.Tensor, src: Watched) -> Watched:
+        r = torch.Tensor._make_subclass(Watched, t, t.requires_grad)
+        r._gc_cap, r._gc_replay, r._gc_where = src._gc_cap, src._gc_replay, src._gc_where
+        return r
 
 
 def watch(out: Any, cap: Any, where: str) -> Any:

@@ -335,6 +335,23 @@ def test_an_output_read_after_the_next_call_overwrote_it_raises_under_the_knob(b
     assert torch.equal(without, b * 2)  # the documented aliasing, knob off: no check, no cost
 
 
+def test_a_view_of_an_output_stays_watched_under_the_knob(backend, device):
+    # Regression: issue 30, keep = out[0][1:] taken before the next call read that call's values with no error.
+    import graphctl
+
+    f = graphctl.graphed(lambda x: (x * 2, x + 1), buckets=[4], inputs=["x"], backend=backend, progress=False)
+    a, b = torch.randn(4, 3).to(device), torch.randn(4, 3).to(device)
+    with graphctl.knobs.scope(check_outputs=True):
+        out = f(a)
+        keep, flat, summed = out[0][1:], out[1].view(-1), out[0].sum()  # two views; a reduction owns its memory
+        assert torch.equal(keep * 1, (a * 2)[1:])  # read before the next call: fine
+        f(b)
+        for view in (keep, flat):
+            with pytest.raises(graphctl.ReplayError, match="read after a later call overwrote it"):
+                view + 0
+        assert torch.allclose(summed, (a * 2).sum())  # not a view: its own memory, still right
+
+
 def test_copy_outputs_returns_fresh_tensors(backend, device):
     # Issue 21: copy_outputs=True for callers that keep outputs across calls.
     import graphctl
