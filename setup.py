@@ -45,6 +45,9 @@ def _load_knobs():
     return _by_path("knobs").knobs
 
 
+NO_DRIVER = "this machine has no NVIDIA driver or GPU to run them"
+
+
 def _plan():
     """Decide what to build before torch's build helpers are imported (they read CUDA_HOME once)."""
     import torch
@@ -55,9 +58,8 @@ def _plan():
     toolkit = _by_path("toolkit")
     if torch.version.cuda is None:
         why = f"torch {torch.__version__} is a CPU build"
-    elif knobs.build_cuda == "auto" and toolkit.driver() is None:
-        why = "this machine has no NVIDIA driver or GPU (GRAPHCTL_BUILD_CUDA=1 builds them anyway)"
     else:
+        # The toolkit is looked at first: a broken one is worth naming even where there is no GPU.
         home, why = toolkit.find(knobs.cuda_home)
         if home is not None:
             nvcc = toolkit.nvcc_version(home)
@@ -65,6 +67,8 @@ def _plan():
                 why = f"{home}/bin/nvcc does not run"
             elif nvcc.split(".")[0] != torch.version.cuda.split(".")[0]:
                 why = f"nvcc {nvcc} in {home} and torch's CUDA {torch.version.cuda} differ in major version"
+            elif knobs.build_cuda == "auto" and toolkit.driver() is None:
+                why = NO_DRIVER
             else:
                 return home, nvcc, why
     if knobs.build_cuda == "1":
@@ -97,7 +101,9 @@ def _extensions():
               f"arch {os.environ['TORCH_CUDA_ARCH_LIST']})")
     else:
         ext = cpp_extension.CppExtension("graphctl._C", sources, extra_compile_args={"cxx": cxx})
-        print(f"graphctl build: CPU kernels only, because {why} (GRAPHCTL_BUILD_CUDA=1 makes this an error)")
+        hint = "builds them anyway" if why == NO_DRIVER else "makes this an error"
+        hint = f"GRAPHCTL_BUILD_CUDA=1 {hint}"
+        print(f"graphctl build: CPU kernels only, because {why} ({hint})")
 
     record = {
         "graphctl_c": True,

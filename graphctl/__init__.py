@@ -12,6 +12,7 @@ from graphctl.errors import (
                              DeclarationError,
                              GraphctlError,
                              NestedSwitchError,
+                             OutputsHeldWarning,
                              ReplayError,
                              RepointError,
                              StaleBufferError,
@@ -23,6 +24,7 @@ from graphctl.state import (
                              CopyInPlace,
                              OpCall,
                              Pad,
+                             Persistent,
                              Recompute,
                              Registry,
                              Stable,
@@ -36,9 +38,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "StateSpec", "register", "bind", "BoundState", "Registry",
-    "Swap", "CopyInPlace", "Recompute", "OpCall", "Stable", "Pad",
+    "Swap", "CopyInPlace", "Recompute", "OpCall", "Stable", "Persistent", "Pad",
     "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError", "ConcurrentUseError",
     "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
-    "RepointError", "graphed", "GraphRunner", "StaticInput", "Report", "CaptureTarget",
+    "RepointError", "OutputsHeldWarning", "graphed", "GraphRunner", "StaticInput", "Report", "CaptureTarget",
     "knobs", "ops", "__version__",
 ]

@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ["noted", "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError",
            "ConcurrentUseError", "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
-           "RepointError", "did_you_mean"]
+           "RepointError", "OutputsHeldWarning", "did_you_mean"]
 
 _MISSING = object()
 
@@ -134,3 +134,10 @@ class ReplayError(GraphctlError):
 class RepointError(ReplayError):
     """Captured graphs cannot be re-pointed at a new state's buffers (``runner.repoint``): the
     layouts differ, or an old address sits where it cannot be rewritten safely. Nothing changed."""
+
+
+class OutputsHeldWarning(UserWarning):
+    """A caller still holds what a graphed call returned two calls ago (or keeps gathering views
+    of its outputs): those tensors are the graph's static outputs, and every later replay of the
+    bucket has overwritten them. Warned once per runner; ``GRAPHCTL_CHECK_OUTPUTS=1`` raises at
+    the exact read instead, ``copy_outputs=True`` returns fresh tensors."""

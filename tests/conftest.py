@@ -4,6 +4,8 @@ device; every test under tests/cuda carries it) and the ``backend`` fixture (emu
 graphs where a device exists): one scenario, each graph backend."""
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
@@ -11,6 +13,11 @@ from graphctl.testing.profiles import load
 
 # this repository's runs always use a graphctl profile (ci unless GRAPHCTL_HYPOTHESIS_PROFILE says)
 load()
+
+# The Ctrl-C tests deliver SIGINT through Python's handler. A shell's background job starts with
+# SIGINT ignored, and Python then installs none: put the default one in, as a foreground run has.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

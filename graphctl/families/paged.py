@@ -25,7 +25,7 @@ import functools
 import torch
 
 from graphctl import ops
-from graphctl.state import CopyInPlace, OpCall, Pad, Recompute, Stable, StateSpec, Swap
+from graphctl.state import CopyInPlace, OpCall, Pad, Persistent, Recompute, Stable, StateSpec, Swap
 
 __all__ = [
     "KVCacheManager",
@@ -142,6 +142,11 @@ def paged_spec(name: str = "paged", *, block_size: int) -> StateSpec:
     spec = StateSpec(name)
     spec.object("kv_cache_manager", draft=Swap(twin="draft_kv_cache_manager"))
     spec.object("draft_kv_cache_manager")
+    # the KV pools: the forward's own lasting writes, graphctl's to guard around warmups and capture
+    for mgr in ("kv_cache_manager", "draft_kv_cache_manager"):
+        for pool in ("k", "v"):
+            spec.buffer(f"{mgr}.{pool}[*]", draft=Persistent())
+    spec.buffer("draft_kv_cache_manager._staged", draft=Stable())  # the refresh source's staging: scratch
     spec.buffer("block_table", shape=("S", "B"), dtype=torch.int32, axis="seq", pad=Pad.clamp(0),
                 readers={"target"}, draft=Swap(twin="draft_block_table"))
     spec.buffer(

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from graphctl.graphs.analysis.report import Segment
 from graphctl.graphs.frames import user_frame
-from graphctl.graphs.stale import watch
+from graphctl.graphs.stale import Held, refs, watch
 
 __all__ = ["Captured", "gc_held", "segments_from_marks", "settle_slicing"]
 
@@ -24,7 +24,7 @@ class Captured:
 
     __slots__ = ("graph", "out_flat", "out_spec", "out_rows", "single", "manifest", "segments", "draft",
                  "checked", "capture_ms", "replays", "eager_runs", "replay_us", "eager_us", "_sliced", "bucket",
-                 "last_where")
+                 "last_where", "_held", "_sets", "_calls")
 
     def __init__(self, graph, out, bucket: int, manifest: dict[str, int], segments: tuple[Segment, ...],
                  capture_ms: float, per_items: frozenset[int]) -> None:
@@ -50,6 +50,9 @@ class Captured:
         self.replay_us: float | None = None
         self.eager_us: float | None = None
         self._sliced: dict[int, Any] = {}
+        self._held: Held | None = None  # built at the first default-path call (graphs/stale.py)
+        self._sets: dict[tuple[int, int], tuple] = {}  # (n, parity) -> (objects returned, their refcounts)
+        self._calls = 0
 
     def replay(self, state: Any) -> None:
         """Replay the graph. A replay the emulated backend stopped at an op inside or after a
@@ -76,7 +79,24 @@ class Captured:
         if check:
             self.last_where = user_frame()
             return watch(self.outputs(n), self, self.last_where)
-        return self.outputs(n)
+        # two sets of views alternate, so what the call before the last returned is told apart
+        # from what the last returned: a caller still holding it gets one warning (stale.Held)
+        self._calls += 1
+        key = (n, self._calls & 1)
+        rec = self._sets.get(key)
+        if rec is None:
+            if self._held is None:
+                self._held = Held(self.out_flat, self.manifest)
+            before = self._held.uses()
+            out = self.outputs(n) if key[1] else tree_map(
+                lambda t: t.view(t.shape) if isinstance(t, torch.Tensor) else t, self.outputs(n))
+            objs = (out, *(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))) \
+                if not isinstance(out, torch.Tensor) else (out,)
+            del out  # counted below as graphctl alone holds them
+            self._held.built(before)
+            rec = self._sets[key] = objs, refs(objs)
+        self._held.given(rec, self.bucket)
+        return rec[0][0]
 
     def outputs(self, n: int) -> Any:
         """The static outputs sliced to ``n`` items (views, built once per ``n``)."""

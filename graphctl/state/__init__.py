@@ -11,6 +11,7 @@ from graphctl.state.spec import (
            ObjectDecl,
            OpCall,
            Pad,
+           Persistent,
            Recompute,
            Stable,
            StateSpec,
@@ -18,5 +19,5 @@ from graphctl.state.spec import (
 )
 
 __all__ = ["AXES", "PHASES", "ROLES", "BoundState", "BufferDecl", "CopyInPlace", "ObjectDecl", "Pad", "PhasePlan",
-           "Plan", "Recompute", "OpCall", "Registry", "Stable", "StateSpec", "Swap", "bind", "compile_spec",
-           "default_registry", "register"]
+           "Plan", "Recompute", "OpCall", "Persistent", "Registry", "Stable", "StateSpec", "Swap", "bind",
+           "compile_spec", "default_registry", "register"]

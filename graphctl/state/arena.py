@@ -40,7 +40,7 @@ def allocate_arenas(plan: Plan, tensors: Mapping[str, torch.Tensor],
     names: list[tuple[str, str]] = []
     for p in PHASES:
         names.extend((p, n) for n in plan.phases[p].snapshot)
-    names.extend(("write", n) for n, d in plan.buffers.items() if not d.stable)
+    names.extend(("write", n) for n, d in plan.buffers.items() if d.switched)
     by_dev: dict[torch.device, list[tuple[str, str]]] = {}
     for key in names:
         by_dev.setdefault(tensors[key[1]].device, []).append(key)

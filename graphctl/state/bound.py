@@ -160,9 +160,9 @@ class BoundState:
         return out
 
     def mutable_names(self) -> tuple[str, ...]:
-        """Buffers declared ``mutable`` and the derived buffers computed from them: what a
-        warmup or capture run may accumulate into."""
-        mutable = [n for n in self.plan.buffers if n in self.plan.mutable]
+        """Buffers declared ``mutable`` or ``Persistent`` and the derived buffers computed from
+        them: what a warmup or capture run may accumulate into."""
+        mutable = [n for n, d in self.plan.buffers.items() if n in self.plan.mutable or d.persistent]
         return tuple(mutable) + self.plan.closure(mutable)
 
     def restorable_names(self) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ class PhasePlan:
     recompute: tuple[str, ...]  # derived buffers, dependency order
     snapshot: tuple[str, ...]  # entries whose tensors are snapshotted (bound names, twins resolved)
     resolve: Mapping[str, str]  # attribute -> entry that holds it during the body
+    hidden: tuple[str, ...] = ()  # entries under a swapped object: unreachable by name during the body
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -199,6 +200,11 @@ def compile_spec(spec: StateSpec) -> Plan:
         swapping = phase in ("eager", "capture")
         swaps = tuple((n, d.draft.twin) for n, d in entries.items() if isinstance(d.draft, Swap)) if swapping else ()
         resolve = dict(swaps)
+        # entries under a swapped object (kv_cache_manager.k[0]) leave with it: inside the switch
+        # their path leads into the twin (whose layers may be fewer), and nothing reaches them by
+        # name; like the swapped attribute itself, they are neither checked there nor snapshotted
+        hidden = tuple(n for n in entries for a, _ in swaps
+                       if n.startswith(a) and n[len(a):len(a) + 1] in (".", "["))
         copies = []
         for n, d in buffers.items():
             if isinstance(d.draft, CopyInPlace) and swapping:
@@ -213,14 +219,14 @@ def compile_spec(spec: StateSpec) -> Plan:
             # mutable ones: the forward's own kernels may write any of them, and the promise is
             # that a switch leaves each declared buffer bitwise as it found it. Not snapshotted:
             # Stable scratch, and the originals a swap unbinds (nothing reaches them by name).
-            unbound = {n for n, _ in swaps}
-            written += [n for n, d in buffers.items() if not d.stable and n not in unbound]
+            unbound = {n for n, _ in swaps} | set(hidden)
+            written += [n for n, d in buffers.items() if d.switched and n not in unbound]
         snapshot: list[str] = []
         for n in written:
             held = resolve.get(n, n)
             if held not in snapshot and isinstance(entries[held], BufferDecl):
                 snapshot.append(held)
-        plan_phases[phase] = PhasePlan(phase, swaps, tuple(copies), recompute, tuple(snapshot), resolve)
+        plan_phases[phase] = PhasePlan(phase, swaps, tuple(copies), recompute, tuple(snapshot), resolve, hidden)
 
     plan = Plan(spec.name, buffers, objects, order, dependents, mutable, plan_phases)
     spec._plan = plan

@@ -18,8 +18,8 @@ import torch
 from graphctl.errors import DeclarationError
 from graphctl.state.recompute import OpCall, Recompute
 
-__all__ = ["AXES", "Pad", "Swap", "CopyInPlace", "Recompute", "OpCall", "Stable", "BufferDecl", "ObjectDecl",
-           "StateSpec"]
+__all__ = ["AXES", "Pad", "Swap", "CopyInPlace", "Recompute", "OpCall", "Stable", "Persistent", "BufferDecl",
+           "ObjectDecl", "StateSpec"]
 
 AXES = ("seq", "token", "step")
 DEFAULT_READERS = frozenset({"target", "draft"})
@@ -181,7 +181,15 @@ class Stable:
     (top-k scratch, radix buffers): audited, never cloned, never written by a switch."""
 
 
-DraftAction = Swap | CopyInPlace | Stable | None
+class Persistent:
+    """Lasting state the forward itself writes, such as a model's KV-cache pools: a switch
+    neither snapshots nor restores it (the draft's cache writes must stay), nothing of it is
+    cloned per switch or write, yet its contents matter: warmups and capture are undone on it
+    and verify compares it. Declaring it is what makes it graphctl's: audited by name, its
+    address checked, never reported as a side effect of the forward."""
+
+
+DraftAction = Swap | CopyInPlace | Stable | Persistent | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -207,6 +215,15 @@ class BufferDecl:
     @property
     def stable(self) -> bool:
         return isinstance(self.draft, Stable)
+
+    @property
+    def persistent(self) -> bool:
+        return isinstance(self.draft, Persistent)
+
+    @property
+    def switched(self) -> bool:
+        """Snapshotted by switches and cloned by writes: every buffer but scratch and lasting state."""
+        return not isinstance(self.draft, (Stable, Persistent))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -249,9 +266,9 @@ def _check_buffer(d: BufferDecl) -> None:
     if not d.readers or not all(isinstance(r, str) and _SEGMENT.match(r) for r in d.readers):
         raise _err(n, "readers must name segments", "a non-empty set of 'target', 'draft' or 'draft[i]'",
                    sorted(map(str, d.readers)), "list the segments that read this buffer")
-    if d.draft is not None and not isinstance(d.draft, (Swap, CopyInPlace, Stable)):
-        raise _err(n, "draft= takes Swap, CopyInPlace or Stable", "Swap/CopyInPlace/Stable", type(d.draft).__name__,
-                   "wrap the twin or source in an action")
+    if d.draft is not None and not isinstance(d.draft, (Swap, CopyInPlace, Stable, Persistent)):
+        raise _err(n, "draft= takes Swap, CopyInPlace, Stable or Persistent", "Swap/CopyInPlace/Stable/Persistent",
+                   type(d.draft).__name__, "wrap the twin or source in an action")
     if d.refresh is not None and not isinstance(d.refresh, CopyInPlace):
         raise _err(n, "refresh= takes CopyInPlace", "CopyInPlace", type(d.refresh).__name__,
                    "write refresh=CopyInPlace(source=...)")
@@ -273,6 +290,10 @@ def _check_buffer(d: BufferDecl) -> None:
         raise _err(n, "a Stable buffer is never snapshotted, so it cannot be mutable, derived or refreshed",
                    "Stable() alone", "Stable() with mutable/derive/refresh",
                    "drop Stable() to have graphctl restore it, or drop the other action")
+    if d.persistent and (d.mutable or d.derive is not None or d.refresh is not None or d.axis is not None):
+        raise _err(n, "a Persistent buffer is the forward's own lasting state, never snapshotted or padded",
+                   "Persistent() alone", "Persistent() with mutable/derive/refresh/axis",
+                   "drop Persistent() to have graphctl switch it, or drop the other declaration")
     if len(set(d.aliases)) != len(d.aliases) or n in d.aliases:
         raise _err(n, "aliases must be distinct names other than the base", "distinct alias names", d.aliases,
                    "list each view attribute once")

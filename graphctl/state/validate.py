@@ -237,10 +237,16 @@ def _split(st: Any, phase: str | None) -> tuple[tuple[tuple[str, Any], ...], tup
     """The expected bindings of ``phase`` as (plain names, paths): plain ones are checked in one C call."""
     out = st._expect_split.get(phase)
     if out is None:
-        exp = expected_bindings(st, phase)
+        hidden = _hidden(st, phase)
+        exp = [p for p in expected_bindings(st, phase) if p[0] not in hidden]
         out = st._expect_split[phase] = (tuple(p for p in exp if not paths.is_path(p[0])),
                                          tuple(p for p in exp if paths.is_path(p[0])))
     return out
+
+
+def _hidden(st: Any, phase: str | None) -> frozenset[str]:
+    """Entries under an object the phase swaps: nothing reaches them by name inside it."""
+    return frozenset(st.plan.phases[phase].hidden) if phase is not None else frozenset()
 
 
 def check_bindings(st: Any, entering: str | None = None) -> None:
@@ -260,7 +266,10 @@ def check_bindings(st: Any, entering: str | None = None) -> None:
     # accepted only as the very view that was bound: same address, shape, strides, dtype
     # (an expand or a transpose at the same address reads other elements).
     twins = st.plan.phases[entering].resolve if entering is not None else {}
+    hidden = _hidden(st, phase)
     for name, want in st._expected(phase):
+        if name in hidden:
+            continue
         try:
             cur = paths.get(obj, name)
         except (AttributeError, IndexError, KeyError, TypeError):

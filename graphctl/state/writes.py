@@ -37,7 +37,7 @@ def write_group(st, names: tuple[str, ...]) -> tuple[list[tuple[list, list]], tu
         for n in names:
             t = paths.get(st.obj, n)
             held = next(e for e in st._tensors if st._tensors[e] is t)
-            if st.plan.buffers[held].stable:
+            if not st.plan.buffers[held].switched:  # Stable scratch, Persistent state: never cloned
                 stable.append(n)
                 continue
             statics, slots = by_dev.setdefault(t.device, ([], []))

@@ -71,9 +71,13 @@ class SwitchMachine(RuleBasedStateMachine):
         self.state._hooked_native = case.native
         note(f"switch: {'native table' if case.native else 'Python steps'}")
         self.plan = self.state.plan
-        self.names = list(self.plan.buffers)
+        # entries declared by a path below an object (a manager's KV pool, ``kv.k[0]``) are the forward's
+        # own (Persistent) or scratch (Stable): no rule writes them; every switch must leave them be
+        self.deep = {n: _bytes(self.state.tensor(n)).clone() for n, d in self.plan.buffers.items()
+                     if not n.isidentifier() and not d.stable}
+        self.names = [n for n in self.plan.buffers if n.isidentifier()]
         self.model = {n: getattr(case.obj, n).detach().clone() for n in self.names}  # what outside should hold
-        self.bindings = {n: getattr(case.obj, n) for n in list(self.plan.buffers) + list(self.plan.objects)}
+        self.bindings = {n: getattr(case.obj, n) for n in self.names + list(self.plan.objects)}
         self.manifest = self.state.addresses()
         self.switch = None
         self.faults: list[list[Any]] = []  # [stage, when, countdown, exception type]
@@ -419,8 +423,10 @@ class SwitchMachine(RuleBasedStateMachine):
             assert torch.equal(_bytes(live), _bytes(self.model[n])), f"{n} differs from the model"
         for n in self.plan.objects:
             assert getattr(self.case.obj, n) is self.bindings[n], f"object {n} not restored"
+        for n, was in self.deep.items():
+            assert torch.equal(_bytes(self.state.tensor(n)), was), f"{n} (declared below an object) was written"
         for d in self.plan.buffers.values():
-            for alias in d.aliases:
+            for alias in d.aliases if d.name in self.bindings else ():
                 v = getattr(self.case.obj, alias)
                 assert v.data_ptr() >= self.bindings[d.name].data_ptr() and \
                     v.untyped_storage().data_ptr() == self.bindings[d.name].untyped_storage().data_ptr(), alias

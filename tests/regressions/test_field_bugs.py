@@ -364,6 +364,66 @@ def test_copy_outputs_returns_fresh_tensors(backend, device):
     assert torch.equal(first, a * 2)
 
 
+def test_outputs_kept_past_the_next_replay_warn_once_by_default(backend, device):
+    # Regression: issue 30, a caller keeping a graphed call's outputs across replays read newer values, nothing said.
+    import warnings
+
+    import graphctl
+
+    f = graphctl.graphed(lambda x: (x * 2, x + 1), buckets=[4, 8], inputs=["x"], backend=backend, progress=False)
+    xs = [torch.randn(3, 3).to(device) for _ in range(4)]
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        outs = [f(x) for x in xs]  # every call's outputs kept: the first three now hold the last call's values
+    held = [w for w in got if issubclass(w.category, graphctl.OutputsHeldWarning)]
+    assert len(held) == 1, [str(w.message) for w in got]  # once, not at every later call
+    msg = str(held[0].message)
+    assert "returned two calls ago is still held" in msg and "bucket 4" in msg, msg
+    assert "test_field_bugs.py" in msg and "copy_outputs=True" in msg and "clone" in msg, msg
+    assert held[0].filename.endswith("test_field_bugs.py"), held[0].filename  # points at the user's line
+    assert torch.equal(outs[0][0], xs[-1] * 2)  # what it warns about: the first output reads the last call's values
+
+
+def test_views_of_outputs_piling_up_across_calls_warn_by_default(backend, device):
+    # Regression: issue 30, views of outputs kept across replays (kept.append(out[:, 1])) read newer values silently.
+    import warnings
+
+    import graphctl
+
+    f = graphctl.graphed(lambda x: x * 2, buckets=[4], inputs=["x"], backend=backend, progress=False)
+    kept = []
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            kept.append(f(torch.randn(4, 3).to(device))[:, 1])
+    held = [w for w in got if issubclass(w.category, graphctl.OutputsHeldWarning)]
+    assert len(held) == 1 and "views of its outputs pile up" in str(held[0].message), [str(w.message) for w in got]
+
+
+@pytest.mark.parametrize("how", ["loop", "loop with a view", "copy_outputs", "sizes and buckets vary"])
+def test_the_common_decode_loop_never_warns_about_held_outputs(backend, device, how):
+    # Regression: issue 30, the held-output warning must stay silent for `logits = step(x)`, every engine's loop.
+    import warnings
+
+    import graphctl
+
+    f = graphctl.graphed(lambda x: (x * 2, x.sum(-1)), buckets=[2, 4, 8], inputs=["x"], backend=backend,
+                         progress=False, copy_outputs=how == "copy_outputs")
+    sizes = [1, 3, 8, 2, 4, 7, 3, 3, 1, 8] if how == "sizes and buckets vary" else [3] * 10
+    history = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", graphctl.OutputsHeldWarning)
+        for n in sizes:
+            x = torch.randn(n, 3).to(device)
+            logits = f(x)
+            last = logits[0][:, -1] if how != "loop" else logits[1]
+            assert torch.allclose(last, (x * 2)[:, -1] if how != "loop" else x.sum(-1))
+            history.append(last.sum().item())  # a Python number: no tensor kept
+            if how == "copy_outputs":
+                history.append(logits)  # fresh tensors: keeping them is fine
+    assert len(history) >= len(sizes)
+
+
 def test_a_tensor_rebound_behind_an_argument_is_named_before_the_replay(backend, device):
     # Issue 21 (vLLM #36611 stale tile-scheduler metadata, vLLM #37639): the engine computes a metadata tensor outside
     # the graph and rebinds it on an object the forward reads; the graph kept reading the capture-time tensor.

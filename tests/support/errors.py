@@ -21,6 +21,7 @@ from graphctl import (
     NestedSwitchError,
     OpCall,
     Pad,
+    Persistent,
     Recompute,
     Registry,
     ReplayError,
@@ -343,6 +344,12 @@ def _runner(fn=None, capture=True, **kw):
     return r, m, x
 
 
+def _graphed_call_inside_its_switch():
+    r, m, x = _runner(fn=lambda x, meta: x * 2 + meta.block_offsets[: x.shape[0], :1].float())
+    with r.state.switch("draft"):
+        r(x, m)
+
+
 def _small_engine():
     from graphctl.models import EngineConfig, MTPEngine
 
@@ -640,6 +647,13 @@ CASES: list[Case] = [
         "declaration",
         "a Stable buffer declared mutable",
         lambda: _spec(("buffer", "a", {"draft": Stable(), "mutable": True})),
+    ),
+    Case(
+        "decl-persistent-mutable",
+        DeclarationError,
+        "declaration",
+        "a Persistent buffer (the forward's lasting state) declared mutable",
+        lambda: _spec(("buffer", "a", {"draft": Persistent(), "mutable": True})),
     ),
     Case(
         "decl-alias-entry",
@@ -1078,6 +1092,13 @@ CASES: list[Case] = [
         "capture",
         "verify() before any capture",
         lambda: _runner(capture=False)[0].verify(),
+    ),
+    Case(
+        "replay-inside-switch",
+        ReplayError,
+        "replay",
+        "a graphed call made inside an open switch of its own state",
+        _graphed_call_inside_its_switch,
     ),
     Case(
         "replay-too-large",
