@@ -3,7 +3,6 @@ capture and replay of speculative-decoding draft forwards.
 
 The public surface is exactly ``__all__``; everything else is internal."""
 from graphctl import knobs, ops
-from graphctl.cli.target import CaptureTarget
 from graphctl.errors import (
                              BindError,
                              CaptureError,
@@ -18,7 +17,7 @@ from graphctl.errors import (
                              StaleBufferError,
                              SwitchError,
 )
-from graphctl.graphs import GraphRunner, Report, StaticInput, graphed
+from graphctl.graphs import CaptureTarget, GraphRunner, Report, StaticInput, graphed
 from graphctl.state import (
                              BoundState,
                              CopyInPlace,

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from graphctl.cli.target import CaptureTarget
 from graphctl.graphs import StaticInput
+from graphctl.graphs.target import CaptureTarget
 from graphctl.models import EngineConfig, MTPEngine
 
 __all__ = ["capture_target"]

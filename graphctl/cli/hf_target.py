@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from graphctl.cli.target import CaptureTarget
 from graphctl.graphs import StaticInput
+from graphctl.graphs.target import CaptureTarget
 
 __all__ = ["capture_target"]
 

@@ -20,53 +20,17 @@ runs the coverage pass on its first ``n`` items for every ``n`` up to the larges
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from graphctl.errors import DeclarationError
-from graphctl.graphs.inputs import StaticInput
+from graphctl.graphs.target import CaptureTarget
 
-__all__ = ["CaptureTarget", "load_target"]
-
-
-@dataclasses.dataclass(frozen=True)
-class CaptureTarget:
-    """A forward to capture, its example call and what the runner needs to know of it."""
-
-    forward: Callable[..., Any]
-    example: tuple  # positional arguments of one call with ``max_batch`` batch items
-    state: Any = None  # a BoundState (or a registered metadata object)
-    inputs: Sequence[str | StaticInput] | None = None
-    params: Any = None  # model tensors for the audit (nn.Module, mapping or iterable)
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        # checked here, where the factory builds it: a wrong field found later is a traceback far from its cause
-        if not callable(self.forward):
-            raise DeclarationError("CaptureTarget.forward is not callable", expected="the forward to capture",
-                                   found=type(self.forward).__name__, fix="CaptureTarget(forward=model.step, ...)")
-        if not isinstance(self.example, (tuple, list)):
-            raise DeclarationError("CaptureTarget.example is not a tuple of arguments",
-                                   expected="the positional arguments of one call, e.g. (ids, meta)",
-                                   found=type(self.example).__name__, fix="example=(ids, meta), even for one argument")
-        object.__setattr__(self, "example", tuple(self.example))
-        if self.inputs is not None and (isinstance(self.inputs, str) or not all(
-                isinstance(i, (str, StaticInput)) for i in self.inputs)):
-            raise DeclarationError("CaptureTarget.inputs is not a list of input names or StaticInputs",
-                                   expected="e.g. [StaticInput('input_ids', per_item=4)] or ['x']",
-                                   found=repr(self.inputs)[:80], fix="inputs=[...] naming the forward's parameters")
-
-    @property
-    def per_item(self) -> int:
-        """Rows of the first static input per batch item (``k + 1`` tokens for a draft step)."""
-        first = StaticInput.of(self.inputs[0]) if self.inputs else None
-        return first.per_item if first is not None else 1
+__all__ = ["load_target"]
 
 
 def _bad(spec: str, found: str, fix: str) -> DeclarationError:

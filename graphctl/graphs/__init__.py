@@ -10,7 +10,8 @@ from graphctl.graphs.backends import BACKENDS, GraphBackend, select_backend, uns
 from graphctl.graphs.decorator import graphed
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
 from graphctl.graphs.runner import GraphRunner
+from graphctl.graphs.target import CaptureTarget
 
 __all__ = ["Audit", "Finding", "audit_graph", "Node", "Ref", "Region", "BACKENDS", "DEFAULT_BUCKETS", "SCHEMA",
-           "BucketReport", "Buckets", "GraphBackend", "GraphRunner", "Report", "Segment", "StaticInput", "Mismatch",
-           "VerifyResult", "graphed", "select_backend", "unsupported_reasons"]
+           "BucketReport", "Buckets", "CaptureTarget", "GraphBackend", "GraphRunner", "Report", "Segment",
+           "StaticInput", "Mismatch", "VerifyResult", "graphed", "select_backend", "unsupported_reasons"]

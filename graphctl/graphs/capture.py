@@ -187,18 +187,20 @@ def capture_buckets(p: Passes, arguments: dict[str, Any], get_arg: Callable[[tup
     compiled.refuse_inductor_graphs(p.fn, sites)
     host_before = hoststate.take(roots)
     stats: dict[int, dict[str, int]] = {}
+    stuck: list[str] = []
     try:
         graphs, workspaces = _passes(p, arguments, sites, stats)
     finally:  # whatever happened, the host values are compared (and, by policy, put back)
         found = hoststate.changes(host_before, hoststate.take(roots))
         if found and p.host_policy != "warn":
-            hoststate.put_back(host_before, found)
+            stuck = hoststate.put_back(host_before, found)
     if found:
         if p.host_policy == "error":
             raise hoststate.refuse(found)
+        done = "" if p.host_policy != "restore" else \
+            " (put back)" if not stuck else f" (put back, except {'; '.join(stuck)})"
         log.warning("graphctl: %s: warmup and capture changed host state the graph may have baked%s: %s",
-                    getattr(p.fn, "__qualname__", p.fn), " (put back)" if p.host_policy == "restore" else "",
-                    "; ".join(map(str, found)))
+                    getattr(p.fn, "__qualname__", p.fn), done, "; ".join(map(str, found)))
     skip = _owned(p) | _sources(p.state) | {storage_key(t) for t in _model_tensors(p.params)}
     paths = rebinding.collect(p.fn, arguments, get_arg, p.params, p.ledger.used, skip)
     reached = reachable(roots).keys() | skip  # what the forward read from before it ran, with no path to it

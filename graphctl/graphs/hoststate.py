@@ -115,21 +115,24 @@ def changes(before: HostValues, after: HostValues) -> list[HostChange]:
 
 
 def put_back(before: HostValues, found: list[HostChange]) -> list[str]:
-    """Write each changed value back where it was found; the paths that could not be (a value
-    that appeared during the capture has nowhere to go back to: it is deleted)."""
+    """Write each changed value back where it was found. Returns what could not be, each as
+    ``"path (why)"``: a value that appeared during the capture (it had no value before to go
+    back to: left as is), a holder that refuses the write (a read-only attribute, a frozen
+    dataclass, a tuple)."""
     failed = []
     for ch in found:
         entry = before.get(ch.path)
+        if entry is None:
+            failed.append(f"{ch.path} (appeared during the capture: nothing to put back)")
+            continue
+        holder, how, key, value = entry
         try:
-            if entry is None:
-                continue  # appeared during warmup: left as is, reported
-            holder, how, key, value = entry
             if how == "attr":
                 setattr(holder, key, value)
             else:
                 holder[key] = value
-        except Exception:  # a read-only attribute, a frozen dataclass: say so
-            failed.append(ch.path)
+        except Exception as exc:  # noqa: BLE001 - named in the result, the capture goes on
+            failed.append(f"{ch.path} ({type(exc).__name__}: {exc})")
     return failed
 
 

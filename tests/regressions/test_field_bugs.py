@@ -220,6 +220,31 @@ def test_host_state_restore_puts_the_flag_back_and_error_refuses(backend, device
         graphctl.graphed(lambda x: x, host_state="ignore")
 
 
+def test_host_state_restore_names_what_it_could_not_put_back(backend, device, caplog):
+    # Regression: issue 31, put_back's list of values it could not write back was dropped and "(put back)" logged.
+    import dataclasses
+    import logging
+
+    import graphctl
+
+    @dataclasses.dataclass(frozen=True)
+    class Counters:
+        calls: int = 0
+
+    counters = Counters()
+
+    def step(x):
+        object.__setattr__(counters, "calls", counters.calls + 1)  # what a library's cached config does
+        return x * 2
+
+    f = graphctl.graphed(step, buckets=[2], inputs=["x"], backend=backend, progress=False, host_state="restore")
+    with caplog.at_level(logging.WARNING, logger="graphctl"):
+        f.capture_all(torch.randn(2, 3).to(device))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "put back, except counters.calls (FrozenInstanceError" in said, said
+    assert counters.calls > 0  # not put back, and the log says so
+
+
 def test_cumulative_offsets_pad_as_empty_requests_with_edge_and_fixed_width_with_arange(backend, device):
     # Issue 21 (xLLM #1939, SGLang #36913, vLLM #25251): padded requests must be empty sequences, so cumulative
     # offsets repeat the last live value (or continue at a fixed width); Pad had zero, fill, clamp and keep only, and a

@@ -99,20 +99,34 @@ def test_the_walker_sees_imports_inside_functions_and_type_checking(tmp_path):
     assert _cycles({"x": {"y"}, "y": {"x"}, "z": set()}) == [["x", "y"]]
 
 
-_LAYERS = ["graphctl.cli", "graphctl.integrations", "graphctl.models",
-           "graphctl.graphs", "graphctl.families", "graphctl.state", "graphctl.ops"]
+# top to bottom; "graphctl" is the root package alone (the public surface re-exports what is below
+# it), and the base modules (errors, knobs, toolkit, bindings) import nothing of graphctl
+_LAYERS = ["graphctl.cli", "graphctl", "graphctl.testing", "graphctl.integrations", "graphctl.models",
+           "graphctl.graphs", "graphctl.families", "graphctl.state", "graphctl.ops", "base"]
+_BASE = ("graphctl.errors", "graphctl.knobs", "graphctl.toolkit", "graphctl.bindings")
+
+
+def _layer(m: str) -> str | None:
+    if m == "graphctl":
+        return m
+    if m in _BASE:
+        return "base"
+    return next((lay for lay in _LAYERS if lay != "graphctl" and (m == lay or m.startswith(lay + "."))), None)
 
 
 def test_layers_point_down_only():
     # Issue 17: state must never import graphs, graphs never cli or models, families never graphs, ops nothing above.
     rank = {layer: i for i, layer in enumerate(_LAYERS)}
-
-    def layer(m: str) -> str | None:
-        return next((lay for lay in _LAYERS if m == lay or m.startswith(lay + ".")), None)
-
     bad = [(m, t) for m, ts in import_graph().items() for t in ts
-           if layer(m) and layer(t) and rank[layer(t)] < rank[layer(m)]]
+           if _layer(m) and _layer(t) and rank[_layer(t)] < rank[_layer(m)]]
     assert bad == [], bad
+
+
+def test_every_module_has_a_layer_and_the_root_package_imports_no_cli():
+    # Regression: issue 31, graphctl/__init__.py imported cli/target.py, an arrow up that the layer test did not rank.
+    unranked = sorted(m for m in import_graph() if _layer(m) is None)
+    assert unranked == [], unranked
+    assert not [t for t in import_graph()["graphctl"] if t.startswith("graphctl.cli")]
 
 
 def test_no_module_over_450_lines():
