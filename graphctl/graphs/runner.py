@@ -63,7 +63,7 @@ from graphctl.state.snapshot import Snapshot
 __all__ = ["GraphRunner"]
 
 log = logging.getLogger("graphctl")
-_KNOBS = knobs._values  # a plain dict lookup on the call path (a knob attribute goes through __getattr__)
+_KNOBS = knobs.live()  # a plain dict lookup on the call path (a knob attribute goes through __getattr__)
 
 
 class GraphRunner:

@@ -47,7 +47,7 @@ RECOMPUTE_OPS: dict[str, tuple[OpArg, ...]] = {
     "token_to_request_": (OpArg("out", "tensor", writes=True), OpArg("seq_lens", "tensor", lengths=True),
                           OpArg("num_tokens", "int"), OpArg("pad_value", "int")),
 }
-_KNOBS = knobs._values  # a plain dict lookup: this runs twice per switch
+_KNOBS = knobs.live()  # a plain dict lookup: this runs twice per switch
 
 
 def uses_extension() -> bool:

@@ -42,7 +42,7 @@ from graphctl.state.validate import bind_aliases, check_bindings, expected_bindi
 __all__ = ["bind", "BoundState", "ROLES"]
 
 ROLES = ("draft",)
-_KNOBS = knobs._values  # read on every switch: a dict read (a knob attribute costs ~1 µs through __getattr__)
+_KNOBS = knobs.live()  # read on every switch: a dict read (a knob attribute costs ~1 µs through __getattr__)
 
 
 def bind(obj: Any, *, registry: Registry | None = None, dims: Mapping[str, int] | None = None) -> BoundState:

@@ -22,7 +22,7 @@ from graphctl.state.validate import byte_range
 
 __all__ = ["write", "write_many", "pad", "check"]
 
-_KNOBS = knobs._values  # a plain dict lookup on every write
+_KNOBS = knobs.live()  # a plain dict lookup on every write
 
 
 def write_group(st, names: tuple[str, ...]) -> tuple[list[tuple[list, list]], tuple[str, ...]]:
