@@ -32,13 +32,13 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from graphctl.errors import DeclarationError, ReplayError
-from graphctl.graphs import compiled, hoststate, rebinding
+from graphctl.graphs import compiled, hoststate, reach, rebinding
 from graphctl.graphs.analysis.audit import param_tensors
 from graphctl.graphs.analysis.nodes import Region
 from graphctl.graphs.backends import GraphBackend, select_backend
 from graphctl.graphs.calls import Signature
 from graphctl.graphs.captured import Captured, gc_held, segments_from_marks, settle_slicing
-from graphctl.graphs.effects import Ledger, reachable, roots_of, storage_key
+from graphctl.graphs.effects import Ledger, storage_key
 from graphctl.graphs.frozen import freeze
 from graphctl.graphs.inputs import Buckets, InputSlot, StaticInput
 from graphctl.state import BoundState, CopyInPlace, paths
@@ -178,43 +178,56 @@ class Result:
     # "uncompiled" (frames dynamo was asked to convert during its capture: run uncompiled), "breaks"
     compile: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
     sites: tuple[str, ...] = ()  # the compiled callables the forward reaches, by path
+    reach: dict[str, int] = dataclasses.field(default_factory=dict)  # what the walk saw and left out
 
 
 def capture_buckets(p: Passes, arguments: dict[str, Any], get_arg: Callable[[tuple, dict, str], Any]) -> Result:
-    """Both passes (see the module docstring), then what the runner keeps of them."""
-    roots = roots_of(p.fn, arguments, p.params)
-    sites = compiled.sites(p.fn, roots)
-    compiled.refuse_inductor_graphs(p.fn, sites)
-    host_before = hoststate.take(roots)
+    """Both passes (see the module docstring), then what the runner keeps of them. The objects
+    the forward reaches are walked twice (``graphs/reach.py``): before the passes (what the
+    write tracker watches, host values before, compiled callables) and after them (host values
+    after, the paths to check, what is reached at all)."""
+    name = getattr(p.fn, "__qualname__", p.fn)
+    start = reach.roots(p.fn, arguments, p.params, get_arg)
+    first = reach.walk(start, skip=p.fn)
+    compiled.refuse_inductor_graphs(p.fn, first.sites)
     stats: dict[int, dict[str, int]] = {}
     stuck: list[str] = []
     try:
-        graphs, workspaces = _passes(p, arguments, sites, stats)
+        graphs, workspaces = _passes(p, arguments, first, stats)
     finally:  # whatever happened, the host values are compared (and, by policy, put back)
-        found = hoststate.changes(host_before, hoststate.take(roots))
+        last = reach.walk(start, skip=p.fn)
+        found = hoststate.changes(first.host, last.host)
         if found and p.host_policy != "warn":
-            stuck = hoststate.put_back(host_before, found)
+            stuck = hoststate.put_back(first.host, found)
     if found:
         if p.host_policy == "error":
             raise hoststate.refuse(found)
         done = "" if p.host_policy != "restore" else \
             " (put back)" if not stuck else f" (put back, except {'; '.join(stuck)})"
         log.warning("graphctl: %s: warmup and capture changed host state the graph may have baked%s: %s",
-                    getattr(p.fn, "__qualname__", p.fn), done, "; ".join(map(str, found)))
+                    name, done, "; ".join(map(str, found)))
     skip = _owned(p) | _sources(p.state) | {storage_key(t) for t in _model_tensors(p.params)}
-    paths = rebinding.collect(p.fn, arguments, get_arg, p.params, p.ledger.used, skip)
-    reached = reachable(roots).keys() | skip  # what the forward read from before it ran, with no path to it
+    paths, unchecked = rebinding.collect(last, p.ledger.used, skip)
+    if unchecked or last.cuts():
+        log.warning("graphctl: %s: the reach walk left state out: %s", name, "; ".join(
+            ([f"{sum(unchecked.values())} paths past the {rebinding.MAX_PATHS} checked per replay ("
+              + ", ".join(f"{c} {r}" for r, c in unchecked.items()) + ")"] if unchecked else [])
+            + ([last.cuts()] if last.cuts() else [])))
+    reached = first.tensors.keys() | last.tensors.keys() | skip  # read before the forward ran, with no path to it
     p.ledger.unreached = tuple(u for k, u in p.ledger.external.items() if k not in reached)
     if p.ledger.unreached:
         log.warning("graphctl: %s: tensors the graph reads that no checked path reaches: %s",
-                    getattr(p.fn, "__qualname__", p.fn), "; ".join(map(str, p.ledger.unreached)))
+                    name, "; ".join(map(str, p.ledger.unreached)))
     for b, st in sorted(stats.items()):
         if st["uncompiled"]:
             log.warning("graphctl: %s: bucket %d: dynamo was asked to convert %d frame(s) during the capture (a guard "
                         "that failed after the warmups, or a recompile limit): compiled frames ran uncompiled",
-                        getattr(p.fn, "__qualname__", p.fn), b, st["uncompiled"])
-    paths_of_sites = tuple(s.path for s in sites) + (("forward",) if compiled.is_compiled(p.fn) else ())
-    return Result(graphs, workspaces, tuple(found), paths, stats, paths_of_sites)
+                        name, b, st["uncompiled"])
+    paths_of_sites = tuple(s.path for s in first.sites) + (("forward",) if compiled.is_compiled(p.fn) else ())
+    counts = {"objects": last.objects, "tensors": len(last.tensors), "host_values": len(last.host),
+              "paths_checked": len(paths), "paths_unchecked": sum(unchecked.values()),
+              "past_depth": last.cut["depth"], "past_bound": last.cut["nodes"]}
+    return Result(graphs, workspaces, tuple(found), paths, stats, paths_of_sites, counts)
 
 
 def _model_tensors(params: Any) -> list[torch.Tensor]:
@@ -252,9 +265,10 @@ def _owned(p: Passes) -> set[tuple[str, int]]:
     return owned
 
 
-def _passes(p: Passes, arguments: dict[str, Any], sites: list[compiled.Site],
+def _passes(p: Passes, arguments: dict[str, Any], first: reach.Reach,
             stats: dict[int, dict[str, int]]) -> tuple[dict[int, Captured], tuple[Region, ...]]:
-    fx, be = p.fixed, p.fixed.backend
+    fx, be, sites = p.fixed, p.fixed.backend, first.sites
+    watched = first.watched()
     # the tracked run is eager by design (compiled.py): a compiled forward gets one compiling run more
     runs = max(p.warmup_iters, 2) if sites or compiled.is_compiled(p.fn) else p.warmup_iters
     order = sorted(p.buckets.sizes, reverse=True)
@@ -268,18 +282,27 @@ def _passes(p: Passes, arguments: dict[str, Any], sites: list[compiled.Site],
             p.load(arguments, fx.n, b)
             call = p.call_args(arguments, b)
             dynamo = compiled.Counters.now()
+            untracked = None  # a compiled forward's compiled runs: no tracker can watch them (compiled.py)
             for it in range(runs):
                 try:
                     with fx.guard:
-                        if it == 0:  # a bucket's first run finds its side effects (and undoes them)
-                            given.adopt(_tracked_warmup(p, arguments, call))
+                        if it == 0 or not (sites or compiled.is_compiled(p.fn)):
+                            # the first run finds side effects and reads (tracked in full); every later
+                            # eager run too, only its writes (lean): a write may start on any run
+                            given.adopt(_tracked_warmup(p, call, watched, lean=it > 0))
                         else:
+                            if untracked is None:
+                                untracked = p.ledger.digest(watched)
                             be.warmup(lambda: p.fn(*call[0], **call[1]))
                 except BaseException as exc:
                     exc.add_note(f"graphctl: raised while warming up bucket {b}; the caller's state was restored")
                     raise
                 if p.ledger.tensors:  # the next run starts from the caller's state too
                     given.restore(added_only=True)
+            if untracked is not None and (late := p.ledger.untracked(untracked)):
+                log.warning("graphctl: %s: bucket %d: compiled warmups wrote state the tracked (eager) run did not: "
+                            "it cannot be restored: %s", getattr(p.fn, "__qualname__", p.fn), b,
+                            "; ".join(e.path for e in late))
             done = compiled.Counters.now().since(dynamo)
             stats[b] = {"warmup_frames": done.frames, "warmup_graphs": done.graphs, "breaks": done.breaks,
                         "uncompiled": 0}
@@ -312,9 +335,9 @@ def _passes(p: Passes, arguments: dict[str, Any], sites: list[compiled.Site],
     return graphs, workspaces
 
 
-def _tracked_warmup(p: Passes, arguments: dict[str, Any], call: tuple[tuple, dict]) -> list:
-    """An eager run under the write tracker: what it writes to tensors the forward reaches but
-    graphctl does not own is a side effect. Returns the new ``(live, copy)`` pairs."""
+def _tracked_warmup(p: Passes, call: tuple[tuple, dict], watched: dict, lean: bool) -> list:
+    """An eager run under the write tracker: what it writes to tensors that existed before it
+    and graphctl does not own is a side effect. Returns the new ``(live, copy)`` pairs."""
     owned = _owned(p)
     be = p.fixed.backend
     # integer inputs whose padded rows hold valid indices (anything but a negative sentinel)
@@ -333,8 +356,7 @@ def _tracked_warmup(p: Passes, arguments: dict[str, Any], call: tuple[tuple, dic
             if stance is not None:
                 stance.__exit__(None, None, None)
 
-    pairs = p.ledger.track(run,
-                           reachable(roots_of(p.fn, arguments, p.params)), owned, be.synchronize, padded)
+    pairs = p.ledger.track(run, watched, owned, be.synchronize, None if lean else padded, lean)
     for h in list(p.ledger.hazards.values())[known:]:
         log.warning("graphctl: %s: %s", getattr(p.fn, "__qualname__", p.fn), h)
     if pairs:
@@ -344,7 +366,7 @@ def _tracked_warmup(p: Passes, arguments: dict[str, Any], call: tuple[tuple, dic
     return pairs
 
 
-def _capture_one(p: Passes, bucket: int, call: tuple[tuple, dict], pool: Any, sites: list[compiled.Site]) -> Captured:
+def _capture_one(p: Passes, bucket: int, call: tuple[tuple, dict], pool: Any, sites: list[reach.SiteLeaf]) -> Captured:
     marks: list[tuple[str, int]] = []
     be = p.fixed.backend
     fn = be.opaque(p.fn) if compiled.is_compiled(p.fn) else p.fn

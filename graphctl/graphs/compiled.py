@@ -10,8 +10,8 @@ facts about dynamo shape what this module does:
   tracker of each bucket's first warmup and the emulated backend's recorder. So neither ever
   meets a compiled frame: the tracked warmup runs under the ``force_eager`` stance (the same
   Python code, every write visible to the tracker; dynamo is not asked, so it records nothing),
-  and the emulated recorder runs every compiled callable it can reach as one opaque recorded
-  call (:func:`sites`), with the recorder popped and the stance restored, and everything else
+  and the emulated recorder runs every compiled callable it can reach (``graphs/reach.py`` finds
+  them) as one opaque recorded call, with the recorder popped and the stance restored, and everything else
   under ``force_eager``.
 - Dynamo refuses to compile inside a CUDA stream capture. Every bucket therefore gets at least
   one untracked warmup (compiling its shapes) before the capture, and a frame dynamo is asked to
@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import inspect
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -38,10 +38,9 @@ from torch._dynamo.utils import counters
 
 from graphctl.errors import DeclarationError
 
-__all__ = ["unwrap", "is_compiled", "eager", "Site", "sites", "Counters", "refuse_inductor_graphs", "never_compiled"]
+__all__ = ["unwrap", "is_compiled", "eager", "Counters", "refuse_inductor_graphs", "never_compiled"]
 
 _ORIG = "_torchdynamo_orig_callable"  # set by torch.compile on the function it returns
-_MAX_DEPTH = 6
 _CALLS = (torch.nn.Module.__call__, torch.nn.Module._wrapped_call_impl, torch.nn.Module._call_impl)
 
 
@@ -79,92 +78,7 @@ def compiled_stance() -> contextlib.AbstractContextManager[Any]:
     return torch.compiler.set_stance("default")
 
 
-@dataclasses.dataclass(frozen=True)
-class Site:
-    """One compiled callable the forward reaches: where (``path``), what, and how to rebind it
-    for a scoped substitution (the emulated recorder's opaque calls)."""
-
-    path: str
-    obj: Any  # the OptimizedModule or compiled function
-    get: Callable[[], Any]
-    put: Callable[[Any], None]
-
-
-def _module_sites(path: str, m: torch.nn.Module, out: dict[int, Site]) -> None:
-    for name, sub in m.named_modules(prefix=path):
-        fwd = vars(sub).get("forward")  # an instance attribute: OptimizedModule's, or model.forward = compile(...)
-        if (isinstance(sub, OptimizedModule) or is_compiled(fwd)) and id(sub) not in out:
-            # rebinding the instance's forward reroutes every call of the module
-            out[id(sub)] = Site(name if isinstance(sub, OptimizedModule) else f"{name}.forward",
-                                sub if isinstance(sub, OptimizedModule) else fwd, lambda s=sub: vars(s)["forward"],
-                                lambda v, s=sub: vars(s).__setitem__("forward", v))
-
-
-def sites(fn: Any, roots: Iterable[tuple[str, Any]]) -> list[Site]:
-    """Every compiled callable reachable from ``roots`` (as ``effects.roots_of`` gives them): compiled
-    modules anywhere in the module trees and attributes, compiled functions held in attributes,
-    containers, closure cells and named globals. ``fn`` itself is not a site (the runner calls it)."""
-    out: dict[int, Site] = {}
-    seen: set[int] = set()
-
-    def visit(path: str, v: Any, depth: int, get: Callable[[], Any], put: Callable[[Any], None] | None) -> None:
-        if depth > _MAX_DEPTH or id(v) in seen or v is fn:
-            return
-        if isinstance(v, types.FunctionType) and _ORIG in vars(v):
-            if put is not None and id(v) not in out:
-                out[id(v)] = Site(path, v, get, put)
-            return
-        if isinstance(v, (str, bytes, int, float, bool, type(None), torch.Tensor, type, types.ModuleType,
-                          types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
-            return
-        seen.add(id(v))
-        if isinstance(v, torch.nn.Module):
-            _module_sites(path, v, out)
-            return  # a module's plain attributes are its configuration, not compiled callables
-        if isinstance(v, dict):
-            for k, e in list(v.items())[:1024]:
-                visit(f"{path}[{k!r}]", e, depth + 1, lambda d=v, k=k: d[k], lambda x, d=v, k=k: d.__setitem__(k, x))
-        elif isinstance(v, (list, tuple)):
-            for i, e in enumerate(v[:1024]):
-                put = (lambda x, seq=v, i=i: seq.__setitem__(i, x)) if isinstance(v, list) else None
-                visit(f"{path}[{i}]", e, depth + 1, lambda seq=v, i=i: seq[i], put)
-        try:
-            attrs = vars(v)
-        except TypeError:
-            return
-        if type(v).__module__.startswith(("graphctl.graphs.", "graphctl.state.", "torch.")):
-            return  # graphctl's machinery and torch's internals hold no user callables
-        for k, e in list(attrs.items()):
-            if not k.startswith("__"):
-                visit(f"{path}.{k}", e, depth + 1, lambda o=v, k=k: getattr(o, k),
-                      lambda x, o=v, k=k: setattr(o, k, x))
-
-    for name, root, get, put in _holders(fn, roots):
-        visit(name, root, 0, get, put)
-    visit = None  # noqa: F841 - break the function <-> cell cycle, as the other walkers do
-    return list(out.values())
-
-
-def _holders(fn: Any, roots: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any, Callable, Callable | None]]:
-    """The roots with a way to rebind each: closure cells and globals of the user's function can
-    be rebound; arguments and ``self`` cannot (only what they hold)."""
-    target = unwrap(fn)
-    if inspect.ismethod(target):
-        target = target.__func__
-    code = getattr(target, "__code__", None)  # builtins and callables without Python code have none
-    cells = dict(zip(code.co_freevars, target.__closure__ or ())) if code is not None else {}
-    g = getattr(target, "__globals__", {})
-    for name, value in roots:
-        if name in cells:
-            cell = cells[name]
-            yield name, value, (lambda c=cell: c.cell_contents), (lambda x, c=cell: setattr(c, "cell_contents", x))
-        elif code is not None and name in code.co_names and g.get(name) is value:
-            yield name, value, (lambda n=name: g[n]), (lambda x, n=name: g.__setitem__(n, x))
-        else:
-            yield name, value, (lambda v=value: v), None
-
-
-def refuse_inductor_graphs(fn: Any, found: Iterable[Site]) -> None:
+def refuse_inductor_graphs(fn: Any, found: Iterable[Any]) -> None:
     """``mode="reduce-overhead"`` (Inductor's CUDA graphs) cannot run inside graphctl's capture:
     a ``DeclarationError`` naming the compiled callable, before anything runs."""
     for path, obj in [("the forward", fn), *((s.path, s.obj) for s in found)]:
@@ -182,7 +96,7 @@ def refuse_inductor_graphs(fn: Any, found: Iterable[Site]) -> None:
                                    fix="compile with mode='default' or mode='max-autotune-no-cudagraphs'")
 
 
-def never_compiled(fn: Any, found: Iterable[Site]) -> list[str]:
+def never_compiled(fn: Any, found: Iterable[Any]) -> list[str]:
     """Paths of compiled functions whose user code dynamo holds no compiled entry for (after the
     warmups ran them): dynamo skipped them, and skips them at every later call. Seen on torch 2.11
     once a compiled frame ran under any dispatch mode: its code is marked skipped for good, so no

@@ -19,9 +19,8 @@ run; ``"error"`` refuses them; ``"ignore"`` leaves them. Whole storages, not the
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import types
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,15 +28,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import CaptureError, DeclarationError
-from graphctl.graphs.compiled import unwrap
 from graphctl.graphs.frames import user_frame
+from graphctl.graphs.reach import storage_key
 from graphctl.state.interrupts import drop_mode
 
-__all__ = ["Ledger", "PaddingHazard", "SideEffect", "Unreached", "WriteTracker", "reachable", "roots_of",
-           "storage_bytes", "storage_key", "POLICIES"]
+__all__ = ["Ledger", "PaddingHazard", "SideEffect", "Unreached", "WriteTracker", "storage_bytes", "storage_key",
+           "POLICIES"]
 
 POLICIES = ("restore", "error", "ignore")
-_MAX_DEPTH = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,88 +56,33 @@ def storage_bytes(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
-def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
-
-
-def reachable(roots: Iterable[tuple[str, Any]]) -> dict[tuple[str, int], tuple[str, torch.Tensor]]:
-    """Storage key -> (path, tensor) of every tensor reachable from ``roots`` (first path
-    wins): through containers, ``nn.Module`` parameters and buffers, and instance attributes,
-    ``_MAX_DEPTH`` levels deep. Modules, classes and functions are not entered."""
-    out: dict[tuple[str, int], tuple[str, torch.Tensor]] = {}
-    seen: set[int] = set()
-
-    def visit(path: str, v: Any, depth: int) -> None:
-        if isinstance(v, torch.Tensor):
-            if v.untyped_storage().nbytes() and v.device.type != "meta":
-                out.setdefault(storage_key(v), (path, v))
-            return
-        if depth > _MAX_DEPTH or id(v) in seen or isinstance(v, (str, bytes, int, float, bool, type(None))):
-            return
-        if isinstance(v, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)):
-            return
-        seen.add(id(v))
-        if isinstance(v, torch.nn.Module):
-            for n, t in (*v.named_parameters(), *v.named_buffers()):
-                visit(f"{path}.{n}", t, depth + 1)
-        if isinstance(v, dict):
-            for k, e in list(v.items()):
-                visit(f"{path}[{k!r}]", e, depth + 1)
-        elif isinstance(v, (list, tuple)):
-            for i, e in enumerate(v):
-                visit(f"{path}[{i}]", e, depth + 1)
-        try:
-            attrs = vars(v)
-        except TypeError:
-            return
-        for k, e in list(attrs.items()):
-            if not k.startswith("__") and k not in ("_parameters", "_buffers", "_modules"):
-                visit(f"{path}.{k}", e, depth + 1)
-        if isinstance(v, torch.nn.Module):
-            for n, m in v.named_children():
-                visit(f"{path}.{n}", m, depth + 1)
-
-    for name, root in roots:
-        visit(name, root, 0)
-    visit = None  # noqa: F841 - break the function <-> cell cycle: GC is off during capture_all
-    return out
-
-
-def roots_of(fn: Callable[..., Any], arguments: dict[str, Any], params: Any) -> list[tuple[str, Any]]:
-    """What ``fn`` can reach: its arguments, a bound method's ``self``, closure cells, the
-    globals its code names (not modules), and ``params``; a compiled ``fn`` is seen through
-    (``compiled.unwrap``: a compiled module's ``self`` is the user's module)."""
-    roots: list[tuple[str, Any]] = list(arguments.items())
-    target = unwrap(fn)  # through torch.compile wrappers to the user's code
-    if inspect.ismethod(target):
-        roots.append(("self", target.__self__))
-        target = target.__func__
-    code = getattr(target, "__code__", None)
-    if code is not None:
-        for name, cell in zip(code.co_freevars, target.__closure__ or ()):
-            try:
-                roots.append((name, cell.cell_contents))
-            except ValueError:  # an empty cell
-                pass
-        g = getattr(target, "__globals__", {})
-        for name in code.co_names:
-            if name in g and not isinstance(g[name], types.ModuleType):
-                roots.append((name, g[name]))
-    if params is not None:
-        roots.append(("params", params))
-    return roots
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of the arguments it writes
 
 
 def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    out = []
-    schema = func._schema
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) else kwargs.get(a.name)
-        flat, _ = tree_flatten(v)
-        out += [t for t in flat if isinstance(t, torch.Tensor)]
+    where = _WRITES.get(func)
+    if where is None:  # once per op: most ops write nothing, and then cost one dict lookup a call
+        where = _WRITES[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                                      if a.alias_info is not None and a.alias_info.is_write)
+    out: list[torch.Tensor] = []
+    for i, name in where:
+        v = args[i] if i < len(args) else kwargs.get(name)
+        out += [t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)]
     return out
+
+
+def _fresh_outputs(func: torch._ops.OpOverload, out: Any) -> list[torch.Tensor]:
+    """The outputs with storage of their own (a view or an in-place result aliases an input)."""
+    rets = func._schema.returns
+    flat = tree_flatten(out)[0]
+    if len(rets) == 1 and len(flat) > 1:  # a Tensor[] return: aliased or not as one
+        return [] if rets[0].alias_info is not None else [t for t in flat if isinstance(t, torch.Tensor)]
+    return [t for t, r in zip(flat, rets) if isinstance(t, torch.Tensor) and r.alias_info is None]
+
+
+def no_path(t: torch.Tensor) -> str:
+    """How a side effect on a tensor no walked path leads to is named."""
+    return f"(no path) a {str(t.dtype).removeprefix('torch.')} tensor of shape {list(t.shape)} on {t.device}"
 
 
 def _integral(t: torch.Tensor) -> bool:
@@ -186,27 +129,43 @@ _FRESH = {"aten::lift_fresh", "aten::lift_fresh_copy"}  # torch.tensor(data) ins
 
 
 class WriteTracker(TorchDispatchMode):
-    """Record the writes of one eager run into ``watched`` storages (key -> (path, tensor)),
-    saving each tensor's contents before its first write. ``exclude`` holds storage keys graphctl
-    owns (declared buffers, static inputs, arenas): never side effects."""
+    """Record the writes of one eager run into the storages of ``watched`` (key -> (path,
+    tensor)) and of tensors that existed before the run (found by it: read before any op made
+    them, reached or not), saving each one's contents before its first write. ``exclude`` holds
+    storage keys graphctl owns (declared buffers, static inputs, arenas): never side effects.
+
+    ``lean``: a later warmup of a bucket. Only writes into ``watched`` are checked (pass what the
+    first run found existing beforehand there too); no padding taint, no reads, no op outputs
+    followed, so the run costs a dict lookup per op that writes nothing."""
 
     def __init__(self, watched: dict[tuple[str, int], tuple[str, torch.Tensor]], exclude: set[tuple[str, int]],
-                 padded: dict[tuple[str, int], str] | None = None) -> None:
+                 padded: dict[tuple[str, int], str] | None = None, lean: bool = False) -> None:
         super().__init__()
         self.watched = {k: v for k, v in watched.items() if k not in exclude}
+        self.exclude = exclude
+        self.lean = lean
         self.found: dict[tuple[str, int], SideEffect] = {}
         self.saved: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (live, copy before)
+        self.hit: dict[tuple[str, int], torch.Tensor] = {}  # key -> the tensor written (what verify compares)
         # storages whose padded rows hold valid indices (static inputs padded with one), and what
         # was computed from them: an index of a write into state that outlives the call is a hazard
-        self.tainted: dict[tuple[str, int], str] = dict(padded or {})
+        self.tainted: dict[tuple[str, int], str] = dict(padded or {}) if not lean else {}
         self.hazards: dict[tuple[str, str], PaddingHazard] = {}
         self._alive: list[torch.Tensor] = []  # tainted results kept alive: a freed address reused is no taint
         self.used: set[tuple[str, int]] = set()  # every storage an op read or wrote (graphs/rebinding.py)
         self.born: set[tuple[str, int]] = set()  # storages an op of this run produced
         self.external: dict[tuple[str, int], Unreached] = {}  # read before any op produced them
+        self.before: dict[tuple[str, int], torch.Tensor] = {}  # the tensors behind ``external``
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.lean:
+            if self.watched:
+                for t in _written(func, args, kwargs):
+                    key = storage_key(t)
+                    if key in self.watched and key not in self.found:
+                        self._save(key, self.watched[key][0], self.watched[key][1], func)
+            return func(*args, **kwargs)
         name = func._schema.name
         for t in tree_flatten((args, kwargs))[0]:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
@@ -218,22 +177,22 @@ class WriteTracker(TorchDispatchMode):
                     not (t.dim() == 0 and t.device.type == "cpu") and t.untyped_storage().nbytes():
                 self.external[key] = Unreached(tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device),
                                                name, user_frame())
-        if self.watched:
-            for t in _written(func, args, kwargs):
-                key = storage_key(t)
-                hit = self.watched.get(key)
-                if hit is None:
-                    continue
-                if key not in self.found:
-                    path, live = hit
-                    whole = storage_bytes(live)  # the whole storage: views of it are restored too
-                    with torch.no_grad():
-                        self.saved[key] = (whole, whole.clone())
-                    self.found[key] = SideEffect(path, func._schema.name, user_frame(), whole.numel())
-                if self.tainted:
-                    self._check_index(func, args, kwargs, hit[0])
+                self.before[key] = t
+        for t in _written(func, args, kwargs):
+            key = storage_key(t)
+            hit = self.watched.get(key)
+            if hit is None and (key not in self.external or key in self.exclude):
+                continue  # a temporary of this run, or graphctl's own
+            if key not in self.found:
+                self._save(key, hit[0] if hit is not None else no_path(t), hit[1] if hit is not None else t, func)
+            if self.tainted:
+                self._check_index(func, args, kwargs, self.found[key].path)
         out = func(*args, **kwargs)
-        self.born.update(storage_key(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        for t in _fresh_outputs(func, out):
+            key = storage_key(t)
+            self.born.add(key)
+            self.external.pop(key, None)  # an address freed and handed out again: a new storage
+            self.before.pop(key, None)
         if self.tainted:  # integer results computed from a padded input carry its padded rows on
             src = next((self.tainted[k] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
                         and _integral(t) and (k := storage_key(t)) in self.tainted), None)
@@ -243,6 +202,13 @@ class WriteTracker(TorchDispatchMode):
                         self.tainted.setdefault(storage_key(t), src)
                         self._alive.append(t)
         return out
+
+    def _save(self, key: tuple[str, int], path: str, live: torch.Tensor, func: Any) -> None:
+        whole = storage_bytes(live)  # the whole storage: views of it are restored too
+        with torch.no_grad():
+            self.saved[key] = (whole, whole.clone())
+        self.hit[key] = live
+        self.found[key] = SideEffect(path, func._schema.name, user_frame(), whole.numel())
 
     def _check_index(self, func, args: tuple, kwargs: dict, target: str) -> None:
         for i, a in enumerate(func._schema.arguments):
@@ -282,6 +248,7 @@ class Ledger:
         self.used: set[tuple[str, int]] = set()  # storages the tracked warmups' ops touched
         self.external: dict[tuple[str, int], Unreached] = {}  # read before produced (see WriteTracker)
         self.unreached: tuple[Unreached, ...] = ()  # those no path leads to (set after the passes)
+        self.before: dict[tuple[str, int], weakref.ref] = {}  # the tensors behind ``external``, while they live
 
     @property
     def effects(self) -> tuple[SideEffect, ...]:
@@ -298,18 +265,30 @@ class Ledger:
         self.hazards.clear()
         self.used.clear()
         self.external.clear()
+        self.before.clear()
         self.unreached = ()
 
     def written(self) -> list[tuple[SideEffect, torch.Tensor]]:
         """Each restored side effect with the tensor at its path (what ``verify()`` compares)."""
         return [(self.found[k], t) for k, t in self.typed.items()]
 
+    def later(self, watched: dict[tuple[str, int], tuple[str, torch.Tensor]]) -> dict:
+        """What a bucket's later (lean) runs watch: the walked tensors, and the storages the
+        tracked runs found existing before them (no path needed), while they live."""
+        out = dict(watched)
+        for k, ref in self.before.items():
+            t = ref()
+            if t is not None and k not in out and storage_key(t) == k:
+                out[k] = (no_path(t), t)
+        return out
+
     def track(self, run: Callable[[], Any], watched: dict, owned: set, sync: Callable[[], None],
-              padded: dict[tuple[str, int], str] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+              padded: dict[tuple[str, int], str] | None = None,
+              lean: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Run ``run`` (one eager warmup) under a :class:`WriteTracker`, undo what it wrote
         (whatever happened), apply the policy to what is new, and hand back ``(live, copy)``
         pairs of the new tensors to snapshot: the tracker's copies, so nothing is cloned twice."""
-        tracker = WriteTracker(watched, owned | set(self.found), padded)
+        tracker = WriteTracker(self.later(watched) if lean else watched, owned | set(self.found), padded, lean)
         try:
             with tracker:
                 run()
@@ -318,37 +297,70 @@ class Ledger:
             sync()
             tracker.undo()  # the caller's state as it was, whatever happened
             sync()
-        new = tracker.found
+        new, hit = dict(tracker.found), dict(tracker.hit)
         pairs = list(tracker.saved.values())
         for k, h in tracker.hazards.items():
             self.hazards.setdefault(k, h)
-        tracker.tainted.clear()
-        tracker._alive.clear()
         self.used |= tracker.used
         for k, u in tracker.external.items():
             self.external.setdefault(k, u)
-        tracker.born.clear()
+        for k, t in tracker.before.items():
+            self.before.setdefault(k, weakref.ref(t))
         # GC is off during capture_all: drop the tracker's references now, or every tensor it
         # watched would look held by someone (the audit would call a freed temporary "live")
-        tracker.watched.clear()
-        tracker.saved.clear()
-        if not new or self.policy == "ignore":
-            self.found.update(new)
-            return []
-        effects = (*self.found.values(), *new.values())
-        listing = "; ".join(map(str, effects))
-        total = sum(e.nbytes for e in effects)
-        if self.policy == "error":
-            raise CaptureError("the forward writes state graphctl does not own", buffer=effects[0].path,
-                               expected="no writes outside static inputs, outputs and declared buffers",
-                               found=listing, fix="declare them in a StateSpec (mutable=True), or pass "
-                                                  "side_effects='restore' to have graphctl undo them")
-        if self.cap is not None and total > self.cap:
-            raise CaptureError("side effects exceed the snapshot cap", buffer=effects[0].path,
-                               expected=f"at most {self.cap:,} B of snapshots", found=f"{total:,} B: {listing}",
-                               fix="raise max_side_effect_bytes, declare the state in a StateSpec, or pass "
-                                   "side_effects='ignore' and reset it yourself")
+        for held in (tracker.tainted, tracker._alive, tracker.born, tracker.watched, tracker.saved, tracker.before,
+                     tracker.hit):
+            held.clear()
+        self._admit(new)
+        if self.policy != "ignore":
+            self.tensors += [live for live, _ in pairs]
+            self.typed.update({k: hit[k] for k in new})
+        return pairs if self.policy != "ignore" else []
+
+    def _admit(self, new: dict[tuple[str, int], SideEffect]) -> None:
+        """Apply the policy to newly found effects (raising under "error" or past the cap)."""
+        if new and self.policy != "ignore":
+            effects = (*self.found.values(), *new.values())
+            listing = "; ".join(map(str, effects))
+            total = sum(e.nbytes for e in effects)
+            if self.policy == "error":
+                raise CaptureError("the forward writes state graphctl does not own", buffer=effects[0].path,
+                                   expected="no writes outside static inputs, outputs and declared buffers",
+                                   found=listing, fix="declare them in a StateSpec (mutable=True), or pass "
+                                                      "side_effects='restore' to have graphctl undo them")
+            if self.cap is not None and total > self.cap:
+                raise CaptureError("side effects exceed the snapshot cap", buffer=effects[0].path,
+                                   expected=f"at most {self.cap:,} B of snapshots", found=f"{total:,} B: {listing}",
+                                   fix="raise max_side_effect_bytes, declare the state in a StateSpec, or pass "
+                                       "side_effects='ignore' and reset it yourself")
         self.found.update(new)
-        self.tensors += [live for live, _ in pairs]
-        self.typed.update({k: watched[k][1] for k in new})
-        return pairs
+
+    def digest(self, watched: dict[tuple[str, int], tuple[str, torch.Tensor]]) -> dict:
+        """A digest per watched storage not yet found: what :meth:`untracked` compares after
+        runs no tracker could watch (a compiled forward's compiled warmups)."""
+        out = {}
+        with torch.no_grad():
+            for k, (path, t) in self.later(watched).items():
+                if k not in self.found:
+                    out[k] = (path, t, _digest(t))
+        return out
+
+    def untracked(self, before: dict) -> list[SideEffect]:
+        """Storages whose digest moved since ``before``: written by a run no tracker watched, so
+        never restored. Raises under "error"; recorded (and returned, to be logged) otherwise."""
+        new = {}
+        with torch.no_grad():
+            for k, (path, t, d) in before.items():
+                if k not in self.found and not torch.equal(_digest(t), d):
+                    new[k] = SideEffect(path, "(a compiled run: untracked, cannot restore)", "-",
+                                        t.untyped_storage().nbytes())
+        self._admit(new)
+        return list(new.values())
+
+
+def _digest(t: torch.Tensor) -> torch.Tensor:
+    """Three int64 sums over a storage's words: a change that keeps all three is contrived."""
+    b = storage_bytes(t)
+    n = b.numel() // 8 * 8
+    w = b[:n].view(torch.int64)
+    return torch.stack((w.sum(), w[1::3].sum(), b[n:].to(torch.int64).sum()))

@@ -3,9 +3,9 @@
 A graph bakes the branches its capture run took on host values: a Python flag such as a
 sampler's ``probs_valid`` that the warmup with dummy requests flips to True makes the captured
 graph read per-slot data the first real request never wrote (TensorRT-LLM #15775). Tensors are
-the side-effect tracker's (``graphs/effects.py``); this module takes the plain host values
+the side-effect tracker's (``graphs/effects.py``); this module compares the plain host values
 (``bool``, ``int``, ``float``, ``str``, ``None``, and small tuples of these) of the objects the
-forward reaches, before the first warmup and after the last capture, and compares them.
+forward reaches (``graphs/reach.py``), walked before the first warmup and after the last capture.
 
 Policies (``host_state=`` on the runner): ``"warn"`` (default: one log line per change, and
 ``report()``/``graphctl capture`` list them), ``"restore"`` (each changed value is written back
@@ -15,22 +15,14 @@ where it was found, so the first real call sees what the caller left), ``"error"
 from __future__ import annotations
 
 import dataclasses
-import types
-from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from graphctl.errors import CaptureError, DeclarationError
+from graphctl.graphs.reach import HostLeaf
 
-__all__ = ["HOST_POLICIES", "HostChange", "HostValues", "take", "changes"]
+__all__ = ["HOST_POLICIES", "HostChange", "HostValues", "changes", "put_back", "check_policy", "refuse"]
 
 HOST_POLICIES = ("warn", "restore", "error")
-_MAX_DEPTH = 6
-_MAX_VALUES = 20_000  # a bound on the walk: a model's attributes, not a dataset's
-_PLAIN = (bool, int, float, str, type(None))
-_SKIP_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks",
-                         "_backward_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,61 +37,7 @@ class HostChange:
         return f"{self.path} {self.before!r} -> {self.after!r}"
 
 
-# path -> (holder, how, key, value): how is "attr" or "item"; a value read from a tuple has no holder
-HostValues = dict[str, tuple[Any, str, Any, Any]]
-
-
-# modules whose objects are machinery, not user state: graphctl's own, and dynamo's (a compiled
-# module's dynamo_ctx holds compiler flags that change on first compile)
-_OWN = ("graphctl.graphs.", "graphctl.state.", "torch._dynamo.")
-
-
-def _plain(v: Any) -> bool:
-    return isinstance(v, _PLAIN) or (isinstance(v, tuple) and len(v) <= 8 and all(isinstance(e, _PLAIN) for e in v))
-
-
-def take(roots: Iterable[tuple[str, Any]]) -> HostValues:
-    """The plain host values reachable from ``roots`` (first path wins), through instance
-    attributes, dicts and lists, ``_MAX_DEPTH`` levels deep. Modules, classes, functions and
-    tensors are not entered; an ``nn.Module``'s children are, its parameters are not."""
-    out: HostValues = {}
-    seen: set[int] = set()
-
-    def visit(path: str, v: Any, depth: int) -> None:
-        if len(out) >= _MAX_VALUES or depth > _MAX_DEPTH or id(v) in seen or isinstance(v, torch.Tensor):
-            return
-        if isinstance(v, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
-            return
-        if type(v).__module__.startswith(_OWN):  # graphctl's own runners, ledgers, bound states: it keeps them
-            return
-        seen.add(id(v))
-        items: list[tuple[str, str, Any, Any]] = []
-        if isinstance(v, dict):
-            items = [(f"{path}[{k!r}]", "item", k, e) for k, e in list(v.items())[:1024]]
-        elif isinstance(v, list):
-            items = [(f"{path}[{i}]", "item", i, e) for i, e in enumerate(v[:1024])]
-        else:
-            try:
-                attrs = vars(v)
-            except TypeError:
-                attrs = {}
-            items = [(f"{path}.{k}", "attr", k, e) for k, e in list(attrs.items())
-                     if not k.startswith("__") and k not in _SKIP_ATTRS]
-            if isinstance(v, torch.nn.Module):
-                items += [(f"{path}.{n}", "child", n, m) for n, m in v.named_children()]
-        for p, how, key, e in items:
-            if _plain(e):
-                if how != "child":
-                    out.setdefault(p, (v, how, key, e))
-            else:
-                visit(p, e, depth + 1)
-
-    for name, root in roots:
-        if _plain(root):
-            continue  # an argument passed by value: the forward cannot change the caller's
-        visit(name, root, 0)
-    visit = None  # noqa: F841 - break the function <-> cell cycle: GC is off during capture_all
-    return out
+HostValues = dict[str, HostLeaf]  # path -> where the value sits and what it was (graphs/reach.py)
 
 
 def changes(before: HostValues, after: HostValues) -> list[HostChange]:
@@ -107,8 +45,8 @@ def changes(before: HostValues, after: HostValues) -> list[HostChange]:
     missing = object()
     out = []
     for path in list(before) + [p for p in after if p not in before]:
-        b = before[path][3] if path in before else missing
-        a = after[path][3] if path in after else missing
+        b = before[path].value if path in before else missing
+        a = after[path].value if path in after else missing
         if b is missing or a is missing or type(a) is not type(b) or a != b:
             out.append(HostChange(path, None if b is missing else b, None if a is missing else a))
     return out
@@ -125,12 +63,11 @@ def put_back(before: HostValues, found: list[HostChange]) -> list[str]:
         if entry is None:
             failed.append(f"{ch.path} (appeared during the capture: nothing to put back)")
             continue
-        holder, how, key, value = entry
         try:
-            if how == "attr":
-                setattr(holder, key, value)
+            if entry.how == "attr":
+                setattr(entry.holder, entry.key, entry.value)
             else:
-                holder[key] = value
+                entry.holder[entry.key] = entry.value
         except Exception as exc:  # noqa: BLE001 - named in the result, the capture goes on
             failed.append(f"{ch.path} ({type(exc).__name__}: {exc})")
     return failed

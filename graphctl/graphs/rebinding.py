@@ -4,18 +4,17 @@ A graph bakes addresses. Declared buffers, static inputs and frozen arguments ar
 against the capture's manifest; a tensor reached *through* them is not: an engine that computes
 a metadata tensor outside the graph and rebinds ``self.meta.sched = fresh`` each step leaves the
 graph reading the capture-time tensor (vLLM #36611, #37639). At capture, :func:`collect` names
-every tensor the first warmup read or wrote that the forward reaches by a path (an argument's
-attribute or item, ``self.…``, a closure cell, a global the function names) and that graphctl
-does not own (static inputs, declared buffers, arenas) and is not a model parameter or buffer;
+every tensor the tracked warmups read or wrote that the forward reaches by a path
+(``graphs/reach.py``: an argument's attribute or item, ``self.…``, a closure cell, a global the
+function names) and that graphctl does not own (static inputs, declared buffers, arenas) and is
+not a weight;
 :func:`first_moved` re-resolves those paths before each replay and names the first one that no
 longer leads to the same tensor (address and shape). ``GRAPHCTL_CHECK_PATHS=0`` turns it off.
 """
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import keyword
-import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -24,13 +23,13 @@ import torch
 
 from graphctl import ops
 from graphctl.errors import DeclarationError, ReplayError
-from graphctl.graphs.compiled import unwrap
-from graphctl.graphs.effects import storage_key
+from graphctl.graphs.reach import Reach
 
-__all__ = ["PathCheck", "Paths", "check_option", "collect", "first_moved"]
+__all__ = ["MAX_PATHS", "PathCheck", "Paths", "check_option", "collect", "first_moved"]
 
-_MAX_DEPTH = 5
-_MAX_PATHS = 256  # past this, the check costs more than it saves: the longest are dropped first
+# past this many paths the per-replay check costs more than it saves (H200 host: ~0.14 us a path in C)
+MAX_PATHS = 1024
+_RANK = {"state": 0, "buffer": 1}  # kept first: metadata an engine rebinds, then a module's registered buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,94 +104,28 @@ def _compile(checks: list[PathCheck]) -> Callable[[tuple, dict], bool]:
     return scope["fast"]
 
 
-def _roots(fn: Callable[..., Any], get_arg: Callable[[tuple, dict, str], Any], names: list[str],
-           params: Any) -> list[tuple[str, Callable[[tuple, dict], Any], Any, Any]]:
-    """(name, getter at call time, value now, native source) of what ``fn`` reaches (as
-    ``effects.roots_of``)."""
-    out: list[tuple[str, Callable[[tuple, dict], Any], Any, Any]] = []
-    target = unwrap(fn)
-    if inspect.ismethod(target):
-        me = target.__self__
-        out.append(("self", lambda a, k, me=me: me, me, (me,)))
-        target = target.__func__
-    code = getattr(target, "__code__", None)
-    if code is not None:
-        for name, cell in zip(code.co_freevars, target.__closure__ or ()):
-            try:
-                value = cell.cell_contents
-            except ValueError:
-                continue
-            out.append((name, lambda a, k, cell=cell: cell.cell_contents, value, cell))
-        g = getattr(target, "__globals__", {})
-        for name in code.co_names:
-            if name in g and not isinstance(g[name], types.ModuleType):
-                out.append((name, lambda a, k, g=g, name=name: g[name], g[name], (g, name)))
-    if params is not None:
-        out.append(("params", lambda a, k, p=params: p, params, (params,)))
-    return out
-
-
-def collect(fn: Callable[..., Any], arguments: dict[str, Any], get_arg: Callable[[tuple, dict, str], Any],
-            params: Any, used: set, owned: set) -> list[PathCheck]:
-    """The paths to re-check at every replay: tensors the warmup used (storage keys in ``used``)
-    that graphctl does not own, reached through arguments, ``self``, closures and named globals."""
-    roots = []
-    for n, v in arguments.items():
-        getter = lambda a, k, n=n: get_arg(a, k, n)  # noqa: E731
-        roots.append((n, getter, v, getter))
-    roots += _roots(fn, get_arg, list(arguments), params)
-    found: dict[tuple[str, int], PathCheck] = {}
-    seen: set[int] = set()
-    sources = {id(getter): source for _, getter, _, source in roots}
-
-    def visit(path: str, root: Callable, steps: tuple, v: Any, depth: int) -> None:
-        if isinstance(v, torch.Tensor):
-            if isinstance(v, torch.nn.Parameter) or not v.untyped_storage().nbytes():
-                return
-            key = storage_key(v)
-            if key in used and key not in owned and key not in found:
-                found[key] = PathCheck(path, root, steps, v.data_ptr(), tuple(v.shape), tensor=weakref.ref(v),
-                                       source=sources[id(root)])
-            return
-        if depth > _MAX_DEPTH or id(v) in seen or isinstance(v, (str, bytes, int, float, bool, type(None))):
-            return
-        if isinstance(v, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
-            return
-        seen.add(id(v))
-        if isinstance(v, dict):
-            for k, e in list(v.items())[:256]:
-                visit(f"{path}[{k!r}]", root, steps + ((False, k),), e, depth + 1)
-        elif isinstance(v, (list, tuple)):
-            for i, e in enumerate(v[:256]):
-                visit(f"{path}[{i}]", root, steps + ((False, i),), e, depth + 1)
-        try:
-            attrs = vars(v)
-        except TypeError:
-            return
-        for k, e in list(attrs.items()):
-            # an nn.Module's parameters and registered buffers are the model's: never rebound per step
-            if not k.startswith("__") and k not in ("_parameters", "_buffers", "_modules"):
-                visit(f"{path}.{k}", root, steps + ((True, k),), e, depth + 1)
-        if isinstance(v, torch.nn.Module):
-            for n, m in v.named_children():
-                visit(f"{path}.{n}", root, steps + ((True, n),), m, depth + 1)
-
-    for name, root, value, _ in roots:
-        visit(name, root, (), value, 0)
-    visit = None  # noqa: F841 - break the function <-> cell cycle: GC is off during capture_all
-    # the shortest _MAX_PATHS, kept in walk order: a path shares its prefix with the one before it
-    # (cache.layers[3].keys, cache.layers[3].values), which the compiled check resolves once
-    keep = {id(c) for c in sorted(found.values(), key=lambda c: len(c.steps))[:_MAX_PATHS]}
+def collect(reach: Reach, used: set, owned: set) -> tuple[Paths, dict[str, int]]:
+    """The paths to re-check at every replay: walked tensors (``graphs/reach.py``) the warmups
+    used (storage keys in ``used``) that graphctl does not own, and that are not weights (a
+    model's parameters and ``params=`` are never rebound per step). At most :data:`MAX_PATHS`,
+    dropped by role (a module's registered buffers before other state), never silently: the
+    second value counts what was left unchecked, by role."""
+    found = [leaf for k, leaf in reach.tensors.items() if leaf.role != "weight" and k in used and k not in owned]
+    ranked = sorted(found, key=lambda leaf: (_RANK[leaf.role], leaf.order))
+    kept, dropped = ranked[:MAX_PATHS], ranked[MAX_PATHS:]
+    unchecked: dict[str, int] = {}
+    for leaf in dropped:
+        unchecked[leaf.role] = unchecked.get(leaf.role, 0) + 1
     out = Paths()
-    for c in found.values():
-        if id(c) in keep:
-            prev = out[-1] if out and out[-1].root is c.root else None
-            n = 0
-            while prev is not None and n < min(len(prev.steps), len(c.steps)) - 1 and prev.steps[n] == c.steps[n]:
-                n += 1
-            out.append(dataclasses.replace(c, shared=n))
+    for leaf in sorted(kept, key=lambda leaf: leaf.order):  # walk order: neighbours share a prefix
+        prev = out[-1] if out and out[-1].root is leaf.root.get else None
+        n = 0
+        while prev is not None and n < min(len(prev.steps), len(leaf.steps)) - 1 and prev.steps[n] == leaf.steps[n]:
+            n += 1
+        out.append(PathCheck(leaf.path, leaf.root.get, leaf.steps, leaf.tensor.data_ptr(), tuple(leaf.tensor.shape),
+                             shared=n, tensor=weakref.ref(leaf.tensor), source=leaf.root.source))
     out.walk, out.program = _compile(out), _program(out)
-    return out
+    return out, unchecked
 
 
 def check_option(value: Any) -> bool | None:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import graphctl
 from graphctl import ops
 from graphctl.graphs.effects import storage_key
+from graphctl.graphs import reach
 from graphctl.graphs.rebinding import collect, first_moved
 
 pytestmark = pytest.mark.skipif(not ops.uses_extension(), reason="graphctl._C is not loaded")
@@ -73,9 +74,9 @@ def test_native_path_check_agrees_with_its_python_reference(data):
         return closed, GLOBAL_NODE, x
 
     roots = {"x": arg}
-    used = {storage_key(t) for _, (_, t) in graphctl.graphs.effects.reachable(
-        [("c", closed), ("g", GLOBAL_NODE), ("x", arg)]).items()}
-    paths = collect(fwd, roots, lambda a, k, n: a[0], None, used, set())
+    found = reach.walk(reach.roots(fwd, roots, None, lambda a, k, n: a[0]))
+    paths, unchecked = collect(found, set(found.tensors), set())
+    assert not unchecked
     args = (arg,)
     assert ops.paths_hold(paths.program, args, {}, paths.walk) and paths.walk(args, {})
     slots = _slots(closed, []) + _slots(GLOBAL_NODE, []) + _slots(arg, [])
@@ -126,7 +127,7 @@ def test_an_interrupt_inside_the_walk_propagates_from_both_checks():
     # Regression: a lookup error means "moved"; anything else (a Ctrl-C inside a property) must reach the caller.
     holder = Holder()
     holder.inner = types.SimpleNamespace(t=torch.randn(2))
-    paths = collect(lambda: holder, {}, lambda a, k, n: None, None, {storage_key(holder.inner.t)}, set())
+    paths, _ = collect(reach.walk(reach.roots(lambda: holder, {})), {storage_key(holder.inner.t)}, set())
     assert len(paths) == 1 and paths.fast((), {})
     Holder.interrupt = True
     try:

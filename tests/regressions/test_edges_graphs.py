@@ -371,12 +371,12 @@ def test_ctrl_c_at_any_line_of_a_capture_leaves_no_dispatch_mode_or_capture_flag
             x = torch.randn(4, 3, generator=torch.Generator().manual_seed(6))
             return call_interrupted(lambda: r.capture_all(x, meta), at, (Ledger.track.__code__, capture_file))
     else:  # issue 28: a capture recording a compiled call (its site rerouted, dynamo's stance forced) at every line
-        from graphctl.graphs import compiled
+        from graphctl.graphs import reach
 
         be, x = EmulatedBackend(torch.device("cpu")), torch.randn(4, generator=gen)
         cf = torch.compile(lambda t: t * 2 + 1, backend="eager")
         holder = {"f": cf}
-        sites = compiled.sites(None, [("holder", holder)])
+        sites = reach.walk([reach.Root("holder", holder, lambda a, k: holder, (holder,))]).sites
         files = (os.path.join("graphctl", "graphs") + os.sep, os.path.join("graphctl", "state") + os.sep)
 
         def run(at):
