@@ -2,7 +2,7 @@
 #   make demo   - create .venv, build graphctl (with CUDA kernels when possible), run the main job:
 #                 graphctl capture --verify --audit on the built-in reference engine
 #   make test   - create .venv, build graphctl, run the test suite
-#   make lint   - the linters CI runs (ruff, mypy on state/ and ops/, clang-format on csrc/)
+#   make lint   - the linters CI runs (ruff, mypy on all of graphctl/, clang-format on csrc/)
 # Everything is installed from pyproject.toml, the one list of dependencies: first its build
 # requirements (torch among them), then graphctl itself, editable, with the dev extra, built
 # against that torch (no build isolation). setup.py finds the CUDA toolkit itself.
@@ -51,7 +51,7 @@ test: build
 	$(PY) -m pytest tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-# ruff (pyflakes, pycodestyle, bugbear, isort, pyupgrade), mypy on state/ and ops/, clang-format on csrc/
+# ruff (pyflakes, pycodestyle, bugbear, isort, pyupgrade), mypy on all of graphctl/, clang-format on csrc/
 lint: build
 	$(VENV)/bin/ruff check graphctl tests bench examples scripts setup.py
 	$(VENV)/bin/mypy

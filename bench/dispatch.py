@@ -18,7 +18,10 @@ Column ``held us``: the host time (c) spends on its default check that callers d
 outputs past a replay (``graphs/stale.py``: the bucket's result with the check, minus the bare
 output slice, timed on the host alone, median of ``--reps`` rounds); target <= 1 us.
 
-    python bench/dispatch.py [--reps 30] [--calls 200] [--json out.json]
+With ``--device cpu`` both (b) and (c) replay graphctl's emulated graphs (every recorded op
+re-run from Python), so (c) - (b) is the runner's host cost per call on that machine.
+
+    python bench/dispatch.py [--device cuda|cpu] [--reps 30] [--calls 200] [--json out.json]
 """
 from __future__ import annotations
 
@@ -54,6 +57,16 @@ class HandWritten:
     def __init__(self, forward, buckets, dev) -> None:
         self.static = torch.zeros(max(buckets), H, device=dev)
         self.graphs, self.outs = {}, {}
+        self.buckets = sorted(buckets)
+        if dev.type == "cpu":  # graphctl's emulated graphs, captured by hand: the runner's host cost shows
+            from graphctl.graphs.backends.emulated import EmulatedBackend
+
+            be = EmulatedBackend(dev)
+            for b in self.buckets:
+                forward(self.static[:b])
+            for b in sorted(buckets, reverse=True):
+                self.graphs[b], self.outs[b] = be.capture(lambda mark, b=b: forward(self.static[:b]), None, b)
+            return
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -66,7 +79,6 @@ class HandWritten:
             with torch.cuda.graph(g, pool=pool, stream=s):
                 self.outs[b] = forward(self.static[:b])
             self.graphs[b] = g
-        self.buckets = sorted(buckets)
 
     def __call__(self, x):
         n = x.shape[0]
@@ -78,20 +90,25 @@ class HandWritten:
         return self.outs[b][:n]
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def per_call_us(fns: dict, x, reps: int, calls: int) -> dict:
     """Median per-call time of each variant over ``reps`` rounds of ``calls`` back-to-back calls,
     the variants interleaved round by round (so clock drift hits all of them alike)."""
     for fn in fns.values():
         for _ in range(20):
             fn(x)
-    torch.cuda.synchronize()
+    _sync()
     rounds = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn(x)
-            torch.cuda.synchronize()
+            _sync()
             rounds[name].append((time.perf_counter() - t0) / calls * 1e6)
     return {name: statistics.median(v) for name, v in rounds.items()}
 
@@ -113,18 +130,21 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--layers", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu: emulated graphs (the runner's host cost "
+                                                      "against a replay captured by hand; no GPU timing)")
     ap.add_argument("--json")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/dispatch.py needs a CUDA device", file=sys.stderr)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("bench/dispatch.py needs a CUDA device (or --device cpu)", file=sys.stderr)
         return 2
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
     rows = []
     for layers in a.layers:
         forward = make_forward(layers, dev)
         buckets = sorted({b for _, b in CASES})
         hand = HandWritten(forward, buckets, dev)
-        graphed = graphctl.graphed(forward, buckets=buckets, inputs=["x"], backend="cuda", progress=False)
+        graphed = graphctl.graphed(forward, buckets=buckets, inputs=["x"], progress=False,
+                                   backend="cuda" if dev.type == "cuda" else "emulated")
         g = torch.Generator().manual_seed(1)
         graphed.capture_all(torch.randn(max(buckets), H, generator=g).to(dev))
         for n, b in CASES:
@@ -133,10 +153,11 @@ def main() -> int:
             assert torch.allclose(hand(x), want, atol=1e-4) and torch.allclose(graphed(x), want, atol=1e-4), (n, b)
             t = per_call_us({"eager": forward, "hand": hand, "graphctl": graphed}, x, a.reps, a.calls)
             eager, hw, gc_ = t["eager"], t["hand"], t["graphctl"]
-            held = held_check_us(graphed._graphs[b], n, a.reps)
+            held = held_check_us(graphed.record(b), n, a.reps)
             rows.append(dict(layers=layers, n=n, bucket=b, eager_us=eager, handwritten_us=hw, graphctl_us=gc_,
                              ratio=gc_ / hw, speedup_vs_eager=eager / gc_, held_check_us=held))
-    info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda, hidden=H,
+    gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (emulated graphs)"
+    info = dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda, hidden=H,
                 reps=a.reps, calls=a.calls, date=time.strftime("%Y-%m-%d"))
     print(f"dispatch: {info['gpu']}, torch {info['torch']}, MLP of linear {H}+gelu layers, "
           f"median of {a.reps} rounds x {a.calls} back-to-back calls")

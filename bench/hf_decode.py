@@ -41,7 +41,8 @@ import warnings
 import torch
 
 import graphctl
-from graphctl.graphs.effects import WriteTracker, reachable
+from graphctl.graphs import reach
+from graphctl.graphs.effects import WriteTracker
 
 
 def _model(layers: int):
@@ -116,7 +117,7 @@ def _path_check_cost(step, tok, repeats: int = 500) -> tuple[float, bool, str]:
     the first path the fast form rejects and why): the cost (b) pays over (d), read directly."""
     from graphctl.graphs.rebinding import first_moved
 
-    paths, args = step._paths, (tok,)
+    paths, args = step.capture.paths, (tok,)
     if not paths:
         return 0.0, True, ""
     times = []
@@ -142,7 +143,8 @@ def _path_check_cost(step, tok, repeats: int = 500) -> tuple[float, bool, str]:
 def _tracker_cost(model, kw, cache, tok, repeats: int = 5) -> tuple[float, float]:
     """Median ms of one eager step plain and under the side-effect tracker (what each bucket's
     first warmup pays), the cache restored after each."""
-    watched = reachable([("cache", cache), ("model", model)])
+    watched = reach.walk([reach.Root(n, v, lambda a, k, v=v: v, (v,)) for n, v in
+                          (("cache", cache), ("model", model))]).watched()
     saved = [t.clone() for t in _cache_tensors(cache)]
     out = {"plain": [], "tracked": []}
     for _ in range(repeats):
@@ -229,7 +231,7 @@ def run(sizes, steps, layers, compile: bool = False) -> dict:
         rows.append(dict(bs=bs, eager_us=med["eager"], graphctl_us=med["graphctl"], hand_us=med["hand"],
                          gc_over_hand=med["graphctl"] / med["hand"], eager_over_gc=med["eager"] / med["graphctl"],
                          unchecked_us=med["unchecked"], unchecked_over_hand=med["unchecked"] / med["hand"],
-                         equal_unchecked=equal["unchecked"], paths_checked=len(gc_step._paths),
+                         equal_unchecked=equal["unchecked"], paths_checked=len(gc_step.capture.paths),
                          equal_graphctl=equal["graphctl"], equal_hand=equal["hand"],
                          side_effects=len(gc_step.side_effects),
                          snapshot_bytes=sum(e.nbytes for e in gc_step.side_effects),

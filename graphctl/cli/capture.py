@@ -321,24 +321,14 @@ def _run(con, args) -> int:
         con.print("not timed: emulated graphs re-run every op from Python, so replay vs eager means nothing here "
                   "(--time times them anyway)")
     con.print(_coverage_table(rows))
-    for z in report.padding_hazards:  # padded input rows indexing a write into lasting state
-        con.print(escape(f"padding hazard: padded rows of input '{z['input']}' index {z['op']} into {z['target']} "
-                         f"at {z['where']}: pad with a sentinel the write skips, or a scratch slot"))
-    for u in report.unreached:  # read from before the forward ran, through no path graphctl checks
-        con.print(escape(f"reached by no path: a {u['dtype']} tensor {list(u['shape'])} on {u['device']} read by "
-                         f"{u['op']} at {u['where']}: declare it or keep it where the forward's arguments reach"))
-    for h in report.host_changes:  # host values the warmups and capture changed (graphs/hoststate.py)
-        con.print(escape(f"host state changed by warmup/capture ({h['policy']}): {h['path']} {h['before']!r} -> "
-                         f"{h['after']!r}"))
     if report.compiled:
         con.print(escape(report.compile_summary))
         line = f"compiled frames run uncompiled: {report.uncompiled}"
         con.print(f"[red]{line}" if report.uncompiled else line)
     if report.bypassed:
         con.print(f"[yellow]the last {report.eager_streak} calls all ran eagerly: the graphs are bypassed")
-    for e in report.side_effects:  # what the forward writes that graphctl does not own
-        con.print(escape(f"side effect ({e['policy']}): {e['path']} ({e['nbytes']:,} B) written by {e['op']} "
-                         f"at {e['where']}"))
+    for line in report.findings():  # hazards, reach left out, unreached reads, host changes, side effects
+        con.print(escape(line))
     for rs in verify.values():
         for r in rs:
             if not r.ok:

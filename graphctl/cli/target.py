@@ -56,6 +56,8 @@ def load_target(spec: str, **options: Any) -> CaptureTarget:
             raise _bad(spec, f"no file {mod_name}", "give a path that exists, relative to the current directory")
         sys.path.insert(0, os.path.dirname(os.path.abspath(mod_name)))
         modspec = importlib.util.spec_from_file_location(os.path.basename(mod_name)[:-3], mod_name)
+        if modspec is None or modspec.loader is None:
+            raise _bad(spec, f"{mod_name} is not a Python module", "give a .py file")
         module = importlib.util.module_from_spec(modspec)
         try:
             modspec.loader.exec_module(module)

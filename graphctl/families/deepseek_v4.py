@@ -69,6 +69,9 @@ def deepseek_v4_spec(name: str = "deepseek_v4", *, block_size: int, base: StateS
 
 
 class DeepseekV4Metadata(DSAMetadata):
+    kv_cache_manager: DSv4KVCacheManager
+    draft_kv_cache_manager: DSv4KVCacheManager
+
     def __init__(self, *, kv_cache_manager: DSv4KVCacheManager, draft_kv_cache_manager: DSv4KVCacheManager,
                  **kw) -> None:
         super().__init__(kv_cache_manager=kv_cache_manager, draft_kv_cache_manager=draft_kv_cache_manager, **kw)

@@ -106,7 +106,7 @@ def dsa_spec(name: str = "dsa", *, block_size: int, base: StateSpec | None = Non
         readers={"draft"},
     )
     # positions already follow seq_lens, kv_lens and req_idx_per_token (the in-graph dependency list)
-    inputs = ["token_positions", "req_idx_per_token", "indexer_k_cache_block_offsets", "scratch_i64", "scratch_i32"]
+    inputs = ("token_positions", "req_idx_per_token", "indexer_k_cache_block_offsets", "scratch_i64", "scratch_i32")
     for part, scale in (("fp8", False), ("scale", True)):
         spec.buffer(f"slot_mapping_{part}", shape=("T",), dtype=torch.int64, derive=Recompute(
             inputs, functools.partial(slot_mapping_fp8_, block_size=block_size, scale_part=scale)))
@@ -114,15 +114,18 @@ def dsa_spec(name: str = "dsa", *, block_size: int, base: StateSpec | None = Non
                 readers={"target"},
                 draft=Swap(twin="draft_block_table_expanded"))
     spec.buffer("draft_block_table_expanded", shape=("TE", "B"), dtype=torch.int32, readers={"draft"},
-                derive=Recompute(["draft_block_table"], expand_table_))
-    spec.buffer("gen_kv_indptr", shape=("S1",), dtype=torch.int64, derive=Recompute(["kv_lens"], cumulative_lengths_))
+                derive=Recompute(("draft_block_table",), expand_table_))
+    spec.buffer("gen_kv_indptr", shape=("S1",), dtype=torch.int64, derive=Recompute(("kv_lens",), cumulative_lengths_))
     spec.buffer("gen_cached_token_indptr", shape=("S1",), dtype=torch.int64,
-                derive=Recompute(["kv_lens", "seq_lens", "scratch_i32"], _gen_cached))
+                derive=Recompute(("kv_lens", "seq_lens", "scratch_i32"), _gen_cached))
     spec.buffer("topk_indices_buffer", shape=("T", "K"), dtype=torch.int32, draft=Stable())
     return spec
 
 
 class DSAMetadata(TrtllmMetadata):
+    kv_cache_manager: DSAKVCacheManager
+    draft_kv_cache_manager: DSAKVCacheManager
+
     def __init__(self, *, kv_cache_manager: DSAKVCacheManager, draft_kv_cache_manager: DSAKVCacheManager,
                  topk: int = 64, **kw) -> None:
         super().__init__(kv_cache_manager=kv_cache_manager, draft_kv_cache_manager=draft_kv_cache_manager, **kw)

@@ -163,18 +163,18 @@ def paged_spec(name: str = "paged", *, block_size: int) -> StateSpec:
                 aliases=("kv_lens_runtime",))
     spec.buffer("host_seq_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), host=True, mutable=True)
     spec.buffer("host_kv_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), host=True, mutable=True)
-    spec.buffer("cu_seq_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(["seq_lens"], cumulative_lengths_))
-    spec.buffer("cu_kv_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(["kv_lens"], cumulative_lengths_))
+    spec.buffer("cu_seq_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(("seq_lens",), cumulative_lengths_))
+    spec.buffer("cu_kv_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(("kv_lens",), cumulative_lengths_))
     # token_map_ as one op call: the native switch launches it from C++ (tokens past the batch -> len(seq_lens))
     spec.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, derive=Recompute(
-        ["seq_lens"], OpCall("token_to_request_", ("out", "in0", "out.numel", "in0.numel"))))
+        ("seq_lens",), OpCall("token_to_request_", ("out", "in0", "out.numel", "in0.numel"))))
     for name, shape, dtype in SCRATCH:
         spec.buffer(name, shape=shape, dtype=dtype, draft=Stable())
     spec.buffer("token_positions", shape=("T",), dtype=torch.int64, derive=Recompute(
-        ["seq_lens", "kv_lens", "req_idx_per_token", "cu_seq_lens", "token_index", "scratch_i64", "scratch_i32"],
+        ("seq_lens", "kv_lens", "req_idx_per_token", "cu_seq_lens", "token_index", "scratch_i64", "scratch_i32"),
         positions_))
     spec.buffer("slot_mapping", shape=("T",), dtype=torch.int64, derive=Recompute(
-        ["block_table", "token_positions", "req_idx_per_token", "kv_lens", "scratch_i64", "scratch_i32"],
+        ("block_table", "token_positions", "req_idx_per_token", "kv_lens", "scratch_i64", "scratch_i32"),
         functools.partial(slot_mapping_, block_size=block_size)))
     return spec
 

@@ -85,6 +85,9 @@ def trtllm_spec(name: str = "trtllm", *, block_size: int, base: StateSpec | None
 
 
 class TrtllmMetadata(PagedMetadata):
+    kv_cache_manager: TrtllmKVCacheManager
+    draft_kv_cache_manager: TrtllmKVCacheManager
+
     def __init__(self, *, kv_cache_manager: TrtllmKVCacheManager, draft_kv_cache_manager: TrtllmKVCacheManager,
                  **kw) -> None:
         super().__init__(kv_cache_manager=kv_cache_manager, draft_kv_cache_manager=draft_kv_cache_manager, **kw)

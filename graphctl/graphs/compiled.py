@@ -84,7 +84,7 @@ def refuse_inductor_graphs(fn: Any, found: Iterable[Any]) -> None:
     for path, obj in [("the forward", fn), *((s.path, s.obj) for s in found)]:
         if not is_compiled(obj):
             continue
-        call = obj.forward if isinstance(obj, OptimizedModule) else obj
+        call: Any = obj.forward if isinstance(obj, OptimizedModule) else obj
         try:
             config = call.get_compiler_config() or {}
         except Exception:  # a backend without a config (aot_eager, a custom callable): no Inductor graphs

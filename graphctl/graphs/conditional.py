@@ -151,6 +151,7 @@ class DeviceLoop:
         _check(rt.cudaStreamUpdateCaptureDependencies(
             outer, [node], None, 1, rt.cudaStreamUpdateCaptureDependenciesFlags.cudaStreamSetCaptureDependencies),
             "cudaStreamUpdateCaptureDependencies")
+        assert self._stream is not None  # a CUDA device (the capture check above)
         s = self._stream.cuda_stream
         _check(rt.cudaStreamBeginCaptureToGraph(s, body_graph, None, None, 0,
                                                 rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed),

@@ -18,11 +18,10 @@ argument a static input with its batch on dim 0. The result is a :class:`GraphRu
 option and constraint is documented there."""
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
-from graphctl.errors import did_you_mean
+from graphctl.graphs.options import Options
 from graphctl.graphs.runner import GraphRunner
 
 __all__ = ["graphed"]
@@ -30,12 +29,7 @@ __all__ = ["graphed"]
 
 def graphed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     """Wrap ``fn`` in a :class:`GraphRunner`; usable as ``@graphed`` and ``@graphed(...)``."""
-    known = inspect.signature(GraphRunner.__init__).parameters
-    for key in options:
-        if key not in known or key in ("self", "fn"):
-            # checked here, not by GraphRunner.__init__, so the error names the function the user called
-            raise TypeError(f"graphed() got an unexpected keyword argument '{key}'"
-                            f"{did_you_mean(key, [k for k in known if k not in ('self', 'fn')])}")
+    opts = Options.of(**Options.named("graphed", options))  # checked here: the error names what the user called
     if fn is None:
-        return lambda f: GraphRunner(f, **options)
-    return GraphRunner(fn, **options)
+        return lambda f: GraphRunner(f, opts)
+    return GraphRunner(fn, opts)

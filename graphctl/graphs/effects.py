@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from graphctl.errors import CaptureError, DeclarationError
+from graphctl.errors import CaptureError
 from graphctl.graphs.frames import user_frame
 from graphctl.graphs.reach import storage_key
 from graphctl.state.interrupts import drop_mode
@@ -167,13 +167,15 @@ class WriteTracker(TorchDispatchMode):
                         self._save(key, self.watched[key][0], self.watched[key][1], func)
             return func(*args, **kwargs)
         name = func._schema.name
+        own = name.startswith("graphctl::")
         for t in tree_flatten((args, kwargs))[0]:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             key = storage_key(t)
             self.used.add(key)
-            # a 0-dim CPU tensor is a wrapped Python number (or a scalar the graph bakes by value)
-            if key not in self.born and key not in self.external and name not in _FRESH and \
+            # a 0-dim CPU tensor is a wrapped Python number (or a scalar the graph bakes by value); graphctl's
+            # own switch ops read what the state resolved itself (declared buffers, copy sources, arenas)
+            if key not in self.born and key not in self.external and name not in _FRESH and not own and \
                     not (t.dim() == 0 and t.device.type == "cpu") and t.untyped_storage().nbytes():
                 self.external[key] = Unreached(tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device),
                                                name, user_frame())
@@ -236,10 +238,6 @@ class Ledger:
     another does not: a cache per batch size); effects accumulate, first finding wins."""
 
     def __init__(self, policy: str, cap: int | None) -> None:
-        if policy not in POLICIES:
-            raise DeclarationError("unknown side_effects policy", expected=" / ".join(POLICIES), found=policy,
-                                   fix="restore (default): undo what warmups and captures write to state graphctl "
-                                       "does not own; error: refuse such a forward; ignore: leave it")
         self.policy, self.cap = policy, cap
         self.found: dict[tuple[str, int], SideEffect] = {}
         self.tensors: list[torch.Tensor] = []  # whole-storage views of what policy "restore" snapshots
@@ -299,8 +297,8 @@ class Ledger:
             sync()
         new, hit = dict(tracker.found), dict(tracker.hit)
         pairs = list(tracker.saved.values())
-        for k, h in tracker.hazards.items():
-            self.hazards.setdefault(k, h)
+        for pair, h in tracker.hazards.items():
+            self.hazards.setdefault(pair, h)
         self.used |= tracker.used
         for k, u in tracker.external.items():
             self.external.setdefault(k, u)

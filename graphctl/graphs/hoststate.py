@@ -17,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from graphctl.errors import CaptureError, DeclarationError
+from graphctl.errors import CaptureError
 from graphctl.graphs.reach import HostLeaf
 
-__all__ = ["HOST_POLICIES", "HostChange", "HostValues", "changes", "put_back", "check_policy", "refuse"]
+__all__ = ["HOST_POLICIES", "HostChange", "HostValues", "changes", "put_back", "refuse"]
 
 HOST_POLICIES = ("warn", "restore", "error")
 
@@ -71,13 +71,6 @@ def put_back(before: HostValues, found: list[HostChange]) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - named in the result, the capture goes on
             failed.append(f"{ch.path} ({type(exc).__name__}: {exc})")
     return failed
-
-
-def check_policy(policy: str) -> None:
-    if policy not in HOST_POLICIES:
-        raise DeclarationError("unknown host_state policy", expected=" / ".join(HOST_POLICIES), found=policy,
-                               fix="warn (default): log and report host values the warmups changed; restore: write "
-                                   "them back after capture; error: refuse such a forward")
 
 
 def refuse(found: list[HostChange]) -> CaptureError:

@@ -146,3 +146,7 @@ class Buckets:
     def pick(self, n: int) -> int | None:
         return self._table[n] if 0 < n <= self.sizes[-1] else None
 
+    def at(self, n: int) -> int:
+        """``pick(n)`` where ``n`` is known to fit (``1 <= n <= largest``)."""
+        return self._table[n]
+

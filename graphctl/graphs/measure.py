@@ -9,14 +9,13 @@ what serves each batch size: a bucket, an eager fallback, or an error.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from graphctl.errors import ReplayError, noted
-from graphctl.graphs.capture import tiled
-from graphctl.graphs.captured import Captured
+from graphctl.graphs.bucket import BucketGraph
 from graphctl.graphs.inputs import Buckets, StaticInput
 from graphctl.state.snapshot import Snapshot
 
@@ -41,7 +40,7 @@ class Measurable(Protocol):
     def example_arguments(self) -> dict[str, Any]: ...
     def assemble(self, values: dict[str, Any]) -> tuple[tuple, dict]: ...
     def guard_all(self) -> Snapshot: ...
-    def record(self, bucket: int) -> Captured: ...
+    def record(self, bucket: int) -> BucketGraph: ...
     @property
     def captured(self) -> tuple[int, ...]: ...
 
@@ -116,3 +115,17 @@ def median_us(device: torch.device, fn: Callable[[], Any], iters: int, reset: Ca
     reset()
     samples.sort()
     return samples[len(samples) // 2]
+
+
+def tiled(inputs: Sequence[StaticInput], arguments: dict[str, Any], n: int, b: int) -> dict[str, torch.Tensor]:
+    """The example's static inputs at ``b`` items: its first ``b`` items, or its ``n`` items
+    repeated whole when ``b > n``."""
+    out = {}
+    for si in inputs:
+        t = arguments[si.name]
+        if b <= n:
+            out[si.name] = t.narrow(si.dim, 0, b * si.per_item)
+        else:
+            idx = torch.arange(b * si.per_item, device=t.device) % (n * si.per_item)
+            out[si.name] = t.index_select(si.dim, idx)
+    return out

@@ -29,13 +29,13 @@ seen through its wrappers (``compiled.unwrap``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
-
 from torch._dynamo.eval_frame import OptimizedModule
 
 from graphctl.graphs.compiled import is_compiled, unwrap
@@ -131,12 +131,12 @@ def roots(fn: Callable[..., Any], arguments: dict[str, Any], params: Any = None,
     name)`` finds an argument in a later call (without it, the roots serve this call only)."""
     out: list[Root] = []
     for n, v in arguments.items():
-        getter = (lambda a, k, n=n: get_arg(a, k, n)) if get_arg is not None else (lambda a, k, v=v: v)
+        getter = _argument(get_arg, n) if get_arg is not None else _const(v)
         out.append(Root(n, v, getter, getter))
     target = unwrap(fn)  # through torch.compile wrappers to the user's code
     if inspect.ismethod(target):
         me = target.__self__
-        out.append(Root("self", me, lambda a, k, me=me: me, (me,)))
+        out.append(Root("self", me, _const(me), (me,)))
         target = target.__func__
     code = getattr(target, "__code__", None)  # builtins and C callables have none
     if code is not None:
@@ -145,15 +145,13 @@ def roots(fn: Callable[..., Any], arguments: dict[str, Any], params: Any = None,
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            out.append(Root(name, value, lambda a, k, c=cell: c.cell_contents, cell,
-                            lambda x, c=cell: setattr(c, "cell_contents", x)))
+            out.append(Root(name, value, _cell(cell), cell, _setter(cell, "cell_contents", True)))
         g = getattr(target, "__globals__", {})
         for name in code.co_names:
             if name in g and not isinstance(g[name], types.ModuleType):
-                out.append(Root(name, g[name], lambda a, k, g=g, n=name: g[n], (g, name),
-                                lambda x, g=g, n=name: g.__setitem__(n, x)))
+                out.append(Root(name, g[name], _global(g, name), (g, name), _setter(g, name, False)))
     if params is not None:
-        out.append(Root("params", params, lambda a, k, p=params: p, (params,)))
+        out.append(Root("params", params, _const(params), (params,)))
     return out
 
 
@@ -238,13 +236,41 @@ def _add_site(r: Reach, path: str, v: Any, root: Root, holder: Any, how: str, ke
             return
         r.sites.append(SiteLeaf(path if isinstance(v, OptimizedModule) else f"{path}.forward", v
                                 if isinstance(v, OptimizedModule) else vars(v)["forward"],
-                                lambda m=v: vars(m)["forward"], lambda x, m=v: vars(m).__setitem__("forward", x)))
+                                _getter(v.__dict__, "forward", False), _setter(v.__dict__, "forward", False)))
     elif how == "root":
         if root.put is not None:
-            r.sites.append(SiteLeaf(path, v, lambda rt=root: rt.get((), {}), root.put))
+            r.sites.append(SiteLeaf(path, v, functools.partial(root.get, (), {}), root.put))
     elif not isinstance(holder, tuple):
-        if how == "item":
-            r.sites.append(SiteLeaf(path, v, lambda o=holder, k=key: o[k], lambda x, o=holder, k=key: o.__setitem__(k, x)))
+        attr = how != "item"
+        r.sites.append(SiteLeaf(path, v, _getter(holder, key, attr), _setter(holder, key, attr)))
+
+
+# the getters and setters of roots and sites: closures over typed arguments (a lambda with default
+# arguments would do, but reads worse and defeats the type checker)
+def _const(v: Any) -> Callable[[tuple, dict], Any]:
+    return lambda a, k: v
+
+
+def _argument(get_arg: Callable[[tuple, dict, str], Any], name: str) -> Callable[[tuple, dict], Any]:
+    return lambda a, k: get_arg(a, k, name)
+
+
+def _cell(cell: types.CellType) -> Callable[[tuple, dict], Any]:
+    return lambda a, k: cell.cell_contents
+
+
+def _global(g: dict[str, Any], name: str) -> Callable[[tuple, dict], Any]:
+    return lambda a, k: g[name]
+
+
+def _getter(holder: Any, key: Any, attr: bool) -> Callable[[], Any]:
+    return (lambda: getattr(holder, key)) if attr else (lambda: holder[key])
+
+
+def _setter(holder: Any, key: Any, attr: bool) -> Callable[[Any], None]:
+    def put(x: Any) -> None:
+        if attr:
+            setattr(holder, key, x)
         else:
-            r.sites.append(SiteLeaf(path, v, lambda o=holder, k=key: getattr(o, k),
-                                    lambda x, o=holder, k=key: setattr(o, k, x)))
+            holder[key] = x
+    return put

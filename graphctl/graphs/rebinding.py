@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from graphctl import ops
-from graphctl.errors import DeclarationError, ReplayError
+from graphctl.errors import ReplayError
 from graphctl.graphs.reach import Reach
 
-__all__ = ["MAX_PATHS", "PathCheck", "Paths", "check_option", "collect", "first_moved"]
+__all__ = ["MAX_PATHS", "PathCheck", "Paths", "collect", "first_moved"]
 
 # past this many paths the per-replay check costs more than it saves (H200 host: ~0.14 us a path in C)
 MAX_PATHS = 1024
@@ -126,14 +126,6 @@ def collect(reach: Reach, used: set, owned: set) -> tuple[Paths, dict[str, int]]
                              shared=n, tensor=weakref.ref(leaf.tensor), source=leaf.root.source))
     out.walk, out.program = _compile(out), _program(out)
     return out, unchecked
-
-
-def check_option(value: Any) -> bool | None:
-    """``check_paths=`` as given, refused unless a bool or None (None: the knob decides)."""
-    if value is not None and not isinstance(value, bool):
-        raise DeclarationError("check_paths takes a bool or None", expected="True, False or None (the knob)",
-                               found=repr(value), fix="pass check_paths=False to skip the path check")
-    return value
 
 
 def first_moved(checks: list[PathCheck], args: tuple, kwargs: dict) -> ReplayError | None:

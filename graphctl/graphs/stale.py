@@ -111,7 +111,7 @@ class Held:
         self._newer: tuple | None = None  # rec of the last call
         # the outputs' own storages (an output aliasing an input or a state buffer shares it with
         # tensors the engine makes and drops as it likes)
-        roots = {}
+        roots: dict[int, None] = {}  # an ordered set
         for t in outs:
             if isinstance(t, torch.Tensor) and t.numel():
                 st = t.untyped_storage()

@@ -141,6 +141,10 @@ class BoundState:
         """What could not be restored, or None when the state is healthy."""
         return self._poisoned
 
+    active_switch = property(lambda self: self._active, doc="The switch open now (its role and phase), or None.")
+    bindings = property(lambda self: self._manifest, doc="((entry, tensor or object bound at bind time), ...).")
+    in_user = property(lambda self: self._in_user, doc="The user callable graphctl runs now (its label), or None.")
+
     @property
     def active_phase(self) -> str | None:
         self._recover()

@@ -57,6 +57,12 @@ class GraphMachine(SwitchMachine):
     def _quiet(self) -> bool:
         return self.switch is None and self.state.poisoned is None and not self.faults
 
+    @property
+    def live(self) -> GraphRunner:
+        """The captured runner, in a rule whose precondition says there is one."""
+        assert self.runner is not None
+        return self.runner
+
     def _new_runner(self) -> tuple[GraphRunner, torch.Tensor]:
         runner = GraphRunner(self._forward, buckets=_BUCKETS, state=self.state, inputs=["x"],
                              backend=self.backend, pad_axes={}, warmup_iters=1, progress=False)
@@ -65,9 +71,9 @@ class GraphMachine(SwitchMachine):
     @precondition(lambda self: self._quiet() and self.runner is None)
     @rule()
     def capture(self) -> None:
-        self.runner, x = self._new_runner()
-        self.runner.capture_all(x, self.case.obj)
-        note(f"captured {self.runner.captured} on {self.backend}")
+        runner, x = self._new_runner()
+        self.runner = runner.capture_all(x, self.case.obj)
+        note(f"captured {runner.captured} on {self.backend}")
 
     @precondition(lambda self: self._quiet() and self.runner is None)
     @rule(at=st.integers(1, 3000))
@@ -86,9 +92,9 @@ class GraphMachine(SwitchMachine):
     def replay(self, n: int) -> None:
         x = torch.randn(n, 1, generator=self.case.gen, dtype=torch.float64).to(self.case.device)
         want = self._forward(x, self.case.obj).clone()
-        for t in self.runner.outputs(self.runner.buckets.pick(n)):
+        for t in self.live.outputs(self.live.buckets.at(n)):
             t.fill_(float("nan"))
-        got = self.runner(x, self.case.obj).clone()
+        got = self.live(x, self.case.obj).clone()
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-9)
 
     @precondition(lambda self: self._quiet() and self.runner is not None)
@@ -97,7 +103,8 @@ class GraphMachine(SwitchMachine):
         """Ctrl-C at the ``at``-th line graphctl runs inside a graphed call: like a CUDA graph,
         the replay either did not start or ran to its end; the state is as the model says."""
         x = torch.randn(n, 1, generator=self.case.gen, dtype=torch.float64).to(self.case.device)
-        out, where = call_interrupted(lambda: self.runner(x, self.case.obj), at, _LAYERS)
+        runner = self.live
+        out, where = call_interrupted(lambda: runner(x, self.case.obj), at, _LAYERS)
         note(f"replay interrupted at {where or 'no line'}: {type(out).__name__}")
         if where:
             assert isinstance(out, KeyboardInterrupt), f"Ctrl-C at {where} surfaced as {out!r}"
@@ -112,4 +119,4 @@ class GraphMachine(SwitchMachine):
         name = next(m for m in self.names if self.plan.buffers[m].mutable)
         with self.state.switch("draft", "replay"):
             self.state.write(name, self.case.value(name))
-            self.runner.graph(b).replay()
+            self.live.graph(b).replay()

@@ -125,7 +125,7 @@ def _diagnose(state: BoundState, before: dict, done: dict) -> tuple[str, str] | 
     if state.poisoned is not None:
         return None
     obj = state.obj
-    for name, want in state._manifest:
+    for name, want in state.bindings:
         if getattr(obj, name, None) is not want:
             return "silent", f"attribute '{name}' is not the bound object"
     now = _contents(state)
@@ -159,7 +159,11 @@ def interrupt_sweep(setup: Callable[[], tuple[BoundState, Callable[[], Any]]], *
     if limit is not None and len(points) > limit:
         step = len(points) / limit
         points = sorted({points[int(i * step)] for i in range(limit)})
-    clean, poisoned, silent, stuck, swallowed = [], [], [], [], []
+    clean: list[int] = []
+    poisoned: list[Any] = []
+    silent: list[Any] = []
+    stuck: list[Any] = []
+    swallowed: list[tuple[int, str]] = []
     for p in points:
         state, before, tr, raised = _run(setup, files, p)
         if not tr.where:  # this run executed fewer lines (lazy set-up done once): nothing was delivered

@@ -11,18 +11,16 @@ spec, a generator for values)::
 
     TestMyBackend = MyBackendMachine.TestCase
 
-Rules: writes (outside and inside a switch, each followed by a consistency check), switch
-enter/exit in every phase, bodies raising ``Exception`` and ``BaseException``, faults injected
-before/after any apply, undo or restore step, *inside* the fused snapshot and restore ops
-(half the buffers written, then a raise) and at the k-th op any entry or exit dispatches
-(``graphctl.testing.faults``: they reach inside the native table too), nested switch
-attempts, switches and writes issued from inside the state's own user callables
-(``Recompute`` fns, ``CopyInPlace`` sources), and a second thread using the state while a
-switch owns it. Invariants after every step: outside a
-switch every buffer is bitwise what the model says (or the state is poisoned and refuses all
-use, exactly when an undo, restore or in-op fault fired); derived buffers equal ``fn(inputs)``,
-recomputed here from the current bindings without going through graphctl; addresses and
-attribute bindings unchanged; no allocation inside a switch.
+Rules: writes (outside and inside a switch, each followed by a consistency check), switch enter/exit in every
+phase, bodies raising ``Exception`` and ``BaseException``, faults injected before/after any apply, undo or
+restore step, *inside* the fused snapshot and restore ops (half the buffers written, then a raise) and at the
+k-th op any entry or exit dispatches (``graphctl.testing.faults``: they reach inside the native table too),
+nested switch attempts, switches and writes issued from inside the state's own user callables (``Recompute``
+fns, ``CopyInPlace`` sources), and a second thread using the state while a switch owns it. Invariants after
+every step: outside a switch every buffer is bitwise what the model says (or the state is poisoned and refuses
+all use, exactly when an undo, restore or in-op fault fired); derived buffers equal ``fn(inputs)``, recomputed
+here from the current bindings without going through graphctl; addresses and attribute bindings unchanged; no
+allocation inside a switch.
 """
 from __future__ import annotations
 
@@ -35,7 +33,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitchError, StaleBufferError, SwitchError
-from graphctl.state import PHASES, bind
+from graphctl.state import PHASES, bind, seams
+from graphctl.state.transaction import Switch
 from graphctl.testing.alloc import AllocationTracker
 from graphctl.testing.faults import InjectedFault, InjectedInterrupt, fault_at_op, partial_op
 from graphctl.testing.strategies import Case, cases
@@ -65,10 +64,9 @@ class SwitchMachine(RuleBasedStateMachine):
     def _start(self, case: Case) -> None:
         self.case = case
         self.state = bind(case.obj, registry=case.registry)
-        self.state._fault_hook = self._hook
         # half the runs drive the native switch table users get (hooks fire around its one step, in-op faults
         # reach inside it through the dispatcher), half the Python steps, its reference
-        self.state._hooked_native = case.native
+        seams.install(self.state, fault=self._hook, native=case.native)
         note(f"switch: {'native table' if case.native else 'Python steps'}")
         self.plan = self.state.plan
         # entries declared by a path below an object (a manager's KV pool, ``kv.k[0]``) are the forward's
@@ -79,7 +77,7 @@ class SwitchMachine(RuleBasedStateMachine):
         self.model = {n: getattr(case.obj, n).detach().clone() for n in self.names}  # what outside should hold
         self.bindings = {n: getattr(case.obj, n) for n in self.names + list(self.plan.objects)}
         self.manifest = self.state.addresses()
-        self.switch = None
+        self.switch: Switch | None = None
         self.faults: list[list[Any]] = []  # [stage, when, countdown, exception type]
         self.fired: list[str] = []
         note(f"spec {case.spec.name}: " + ", ".join(f"{n}:{d}" for n, d in case.spec.entries.items()))
@@ -143,7 +141,7 @@ class SwitchMachine(RuleBasedStateMachine):
             self._model_write(name, value)
             return
         # inside a switch a write recomputes in the middle of the switch: the no-allocation rule holds there too
-        with AllocationTracker(where=lambda: self.state._in_user) as alloc:
+        with AllocationTracker(where=lambda: self.state.in_user) as alloc:
             self.state.write(name, value)
         assert not alloc.allocations, f"write('{name}') inside a switch allocated: {alloc.allocations}"
         self._check_inside()  # a write inside a switch leaves every derived buffer = fn(inputs) as bound now
@@ -155,14 +153,16 @@ class SwitchMachine(RuleBasedStateMachine):
             n = value.shape[d.axis_dim]
             m.narrow(d.axis_dim, 0, n).copy_(value)
             tail = m.narrow(d.axis_dim, n, m.shape[d.axis_dim] - n)
-            if d.pad.kind == "zero":
+            pad = d.pad
+            assert pad is not None  # a buffer with an axis has a padding policy (spec.py refuses one without)
+            if pad.kind == "zero":
                 tail.zero_()
-            elif d.pad.kind == "fill":
-                tail.fill_(d.pad.value)
-            elif d.pad.kind == "clamp":
-                tail.clamp_(d.pad.lo, d.pad.hi)
-            elif d.pad.kind in ("edge", "arange"):  # row by row, from the last live row: an independent oracle
-                ax, step = d.axis_dim, d.pad.step if d.pad.kind == "arange" else 0
+            elif pad.kind == "fill":
+                tail.fill_(pad.value)
+            elif pad.kind == "clamp":
+                tail.clamp_(pad.lo, pad.hi)
+            elif pad.kind in ("edge", "arange"):  # row by row, from the last live row: an independent oracle
+                ax, step = d.axis_dim, (pad.step or 0) if pad.kind == "arange" else 0
                 prev = m.narrow(ax, n - 1, 1).clone() if n else None
                 for i in range(tail.shape[ax]):
                     row = tail.narrow(ax, i, 1)
@@ -174,6 +174,7 @@ class SwitchMachine(RuleBasedStateMachine):
             m.copy_(value)
         for dep in self.plan.dependents[name]:
             rc = self.plan.buffers[dep].derive
+            assert rc is not None  # a dependent is derived
             rc.fn(self.model[dep], *(self.model[i] for i in rc.inputs))
 
     @rule(data=st.data())
@@ -194,7 +195,7 @@ class SwitchMachine(RuleBasedStateMachine):
             return
         cm = self.state.switch("draft", phase)
         n_fired = len(self.fired)
-        with AllocationTracker(where=lambda: self.state._in_user) as alloc:
+        with AllocationTracker(where=lambda: self.state.in_user) as alloc:
             try:
                 cm.__enter__()
             except (InjectedFault, InjectedInterrupt):
@@ -209,11 +210,20 @@ class SwitchMachine(RuleBasedStateMachine):
         self._check_inside()
 
     def _check_inside(self) -> None:
+        assert self.switch is not None
         pp = self.plan.phases[self.switch.phase]
         for name, twin in pp.swaps:
             assert getattr(self.case.obj, name) is self.bindings[twin], f"{name} not swapped to {twin}"
         self._derived_consistent()
-        self.state.check()
+        self._state_check()
+
+    def _state_check(self) -> None:
+        """``state.check()`` where the model says every derived buffer is consistent: a stale one is
+        graphctl disagreeing with the oracle (an invariant's failure, never a crash)."""
+        try:
+            self.state.check()
+        except StaleBufferError as e:
+            raise AssertionError(f"state.check() disagrees with the model: {e}") from e
 
     def _derived_consistent(self) -> None:
         """Every derived buffer equals its fn over the inputs bound *now*, recomputed here into a
@@ -221,6 +231,7 @@ class SwitchMachine(RuleBasedStateMachine):
         obj = self.case.obj
         for name in self.plan.order:
             rc = self.plan.buffers[name].derive
+            assert rc is not None  # plan.order lists derived buffers
             live = getattr(obj, name)
             want = torch.empty_like(live)
             rc.fn(want, *(getattr(obj, i) for i in rc.inputs))
@@ -230,9 +241,10 @@ class SwitchMachine(RuleBasedStateMachine):
     @rule(body=st.sampled_from([None, InjectedFault, InjectedInterrupt]))
     def exit(self, body: type | None) -> None:
         cm, self.switch = self.switch, None
+        assert cm is not None  # the precondition
         exc = body("body raised") if body is not None else None
         n_fired = len(self.fired)
-        with AllocationTracker(where=lambda: self.state._in_user) as alloc:
+        with AllocationTracker(where=lambda: self.state.in_user) as alloc:
             try:
                 swallowed = cm.__exit__(body, exc, None)
             except CorruptedStateError:
@@ -274,6 +286,7 @@ class SwitchMachine(RuleBasedStateMachine):
         entering = self.switch is None
         cm = self.state.switch("draft", data.draw(st.sampled_from(self.phases), label="phase")) if entering \
             else self.switch
+        assert cm is not None
         n_fired = len(self.fired)
         raised = None
         with fault_at_op(k, kind, self.fired, "op") as seen:
@@ -308,6 +321,7 @@ class SwitchMachine(RuleBasedStateMachine):
     def exit_with_fault_inside_the_restore(self) -> None:
         """The fused restore raises after writing half its buffers: the state is poisoned."""
         cm, self.switch = self.switch, None
+        assert cm is not None  # the precondition
         n_fired = len(self.fired)
         with partial_op("copy_", self.fired, "inside"):
             try:
@@ -340,8 +354,7 @@ class SwitchMachine(RuleBasedStateMachine):
                     attempts.append((what, None))
 
         derived = list(self.plan.order)
-        self.state._user_hook = reenter
-        try:
+        with seams.hooks(self.state, user=reenter):
             if self.switch is None and derived:
                 # a write to an input of a derived buffer runs its Recompute fn
                 name = next(
@@ -355,9 +368,7 @@ class SwitchMachine(RuleBasedStateMachine):
             elif self.switch is None:
                 return
             else:
-                self.state.check()
-        finally:
-            self.state._user_hook = None
+                self._state_check()
         bad = [w for w, e in attempts if e is None]
         assert not bad, f"re-entrant {bad} from a user callable were accepted"
 
@@ -431,10 +442,7 @@ class SwitchMachine(RuleBasedStateMachine):
                 assert v.data_ptr() >= self.bindings[d.name].data_ptr() and \
                     v.untyped_storage().data_ptr() == self.bindings[d.name].untyped_storage().data_ptr(), alias
         self._derived_consistent()
-        try:
-            self.state.check()
-        except StaleBufferError as e:
-            raise AssertionError(f"derived buffer stale outside a switch: {e}") from e
+        self._state_check()
 
     @invariant()
     def addresses_unchanged(self) -> None:

@@ -19,14 +19,14 @@ __all__ = ["PROFILES", "register", "load"]
 PROFILES: dict[str, tuple[int, int]] = {"ci": (200, 30), "thorough": (2000, 60), "dev": (20, 10)}
 
 # The machines build tensors and graphs per step: a slow example is expected, never a failure.
-_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                      HealthCheck.filter_too_much])
+_SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 
 
 def register() -> None:
     """Register every graphctl profile (idempotent)."""
     for name, (examples, steps) in PROFILES.items():
-        settings.register_profile(f"graphctl-{name}", max_examples=examples, stateful_step_count=steps, **_COMMON)
+        settings.register_profile(f"graphctl-{name}", max_examples=examples, stateful_step_count=steps,
+                                  deadline=None, suppress_health_check=_SUPPRESS)
 
 
 def load(name: str | None = None) -> str:

@@ -13,6 +13,7 @@ import torch
 from hypothesis import strategies as st
 
 from graphctl.state import CopyInPlace, Pad, Recompute, Registry, Stable, StateSpec, Swap
+from graphctl.state.spec import BufferDecl, ObjectDecl
 
 __all__ = ["Case", "cases", "random_tensor", "combine", "DTYPES"]
 
@@ -36,7 +37,9 @@ class Case:
         t = getattr(self.obj, name)
         shape = list(t.shape)
         if rows is not None:
-            shape[self.spec.entries[name].axis_dim] = rows
+            decl = self.spec.entries[name]
+            assert isinstance(decl, BufferDecl)  # only buffers have rows
+            shape[decl.axis_dim] = rows
         return random_tensor(shape, t.dtype, self.gen, t.device)
 
 
@@ -95,12 +98,12 @@ def cases(draw: Callable, device: str = "cpu", max_plain: int = 5) -> Case:
             pad = Pad.clamp(0, 50) if pad.kind == "clamp" else Pad.fill(7)
         action = draw(st.sampled_from(["none", "swap", "copy", "copy_fn", "stable"]))
         mutable = action != "stable" and draw(st.booleans())
-        aliases = ()
+        aliases: tuple[str, ...] = ()
         base = alloc(name, dtype, host)
         if n >= 2 and draw(st.booleans()):
             aliases = (f"v{i}",)
             setattr(obj, f"v{i}", base[: n - 1])
-        draft = None
+        draft: Swap | CopyInPlace | Stable | None = None
         if action == "swap":
             twin = f"d{i}"
             alloc(twin, dtype, host)
@@ -135,7 +138,7 @@ def cases(draw: Callable, device: str = "cpu", max_plain: int = 5) -> Case:
 
     for i in range(draw(st.integers(0, 3))):
         # combine() needs its inputs on the derived buffer's device: no host mirrors on CUDA
-        pool = [t for t in tensors if not (dev.type == "cuda" and spec.entries[t].host)]
+        pool = [t for t in tensors if not (dev.type == "cuda" and _host(spec.entries[t]))]
         if not pool:
             break
         inputs = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3, unique=True))
@@ -164,3 +167,7 @@ def _getter(attr: str) -> Callable[[Any], torch.Tensor]:
 
     source.__name__ = f"get_{attr}"
     return source
+
+
+def _host(decl: BufferDecl | ObjectDecl) -> bool:
+    return isinstance(decl, BufferDecl) and decl.host

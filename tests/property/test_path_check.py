@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import graphctl
 from graphctl import ops
-from graphctl.graphs.effects import storage_key
 from graphctl.graphs import reach
+from graphctl.graphs.effects import storage_key
 from graphctl.graphs.rebinding import collect, first_moved
 
 pytestmark = pytest.mark.skipif(not ops.uses_extension(), reason="graphctl._C is not loaded")

@@ -13,6 +13,7 @@ import torch
 import graphctl
 from graphctl import CorruptedStateError, Pad, Recompute, Registry, ReplayError, StateSpec, bind
 from graphctl.cli import main
+from graphctl.state import seams
 from graphctl.testing.interrupts import interrupt_sweep
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,12 +92,11 @@ def test_a_poisoned_state_never_replays(gen):
     meta, st, r = _lens_runner(gen, buckets=(4,))
     x = torch.randn(4, 3, generator=gen)
     r.capture_all(x, meta)
-    st._fault_hook = lambda stage, step, when: (_ for _ in ()).throw(RuntimeError("device lost")) \
-        if stage == "restore" else None
-    with pytest.raises(CorruptedStateError):
+    lost = (lambda stage, step, when: (_ for _ in ()).throw(RuntimeError("device lost")) if stage == "restore"
+            else None)
+    with seams.hooks(st, fault=lost), pytest.raises(CorruptedStateError):
         with st.switch("draft", "eager"):
             pass
-    st._fault_hook = None
     replays = r.report().buckets[0].replays
     with pytest.raises(CorruptedStateError):
         r(x, meta)
@@ -289,7 +289,7 @@ def test_ctrl_c_on_any_line_of_the_gc_hold_leaves_collection_enabled():
     import inspect
     import sys
 
-    from graphctl.graphs import captured as runner_mod
+    from graphctl.graphs import bucket as runner_mod
 
     code = runner_mod.gc_held.__wrapped__.__code__
     src, first = inspect.getsourcelines(runner_mod.gc_held.__wrapped__)

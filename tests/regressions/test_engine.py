@@ -9,6 +9,7 @@ import graphctl
 from graphctl import CopyInPlace, DeclarationError, Recompute, StaleBufferError, StateSpec, StaticInput
 from graphctl.families.paged import paged_spec, token_map_
 from graphctl.models import EngineConfig, MTPEngine
+from graphctl.state import seams
 from support.engine import STEPS, acceptance
 
 
@@ -67,8 +68,8 @@ def test_exception_inside_the_switch_restores_everything(where, gen):
     if where == "refresh source":
         m.draft_kv_cache_manager.pool_block_ids = boom
     else:
-        st._fault_hook = lambda stage, step, when: boom() if (stage, step, when) == (
-            "apply", "recompute(slot_mapping)", "before") else None
+        seams.install(st, fault=lambda stage, step, when: boom() if (stage, step, when) == (
+            "apply", "recompute(slot_mapping)", "before") else None)
     with pytest.raises(RuntimeError, match="failed"):
         with st.switch("draft"):
             raise AssertionError("the body must not run")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from graphctl import BindError, CorruptedStateError, Recompute, Registry, StateSpec, Swap, bind
+from graphctl.state import seams
 from support.mini import MiniMetadata, make_registry
 
 
@@ -102,12 +103,10 @@ def test_failed_restore_is_loud_and_permanent(gen):
         if stage == "restore" and step.startswith("snapshot"):
             raise RuntimeError("copy failed")
 
-    st._fault_hook = fail
-    with pytest.raises(CorruptedStateError) as ei:
+    with seams.hooks(st, fault=fail), pytest.raises(CorruptedStateError) as ei:
         with st.switch("draft", "eager"):
             m.kv_lens.add_(1)
     assert "kv_lens" in str(ei.value)
-    st._fault_hook = None
     for use in (lambda: st.write("seq_lens", m.seq_lens.clone()), st.check,
                 lambda: st.switch("draft", "eager").__enter__()):
         with pytest.raises(CorruptedStateError):

@@ -35,6 +35,7 @@ from graphctl import (
     bind,
     graphed,
 )
+from graphctl.state import seams
 from support.mini import MiniMetadata, make_registry
 
 G = lambda: torch.Generator().manual_seed(1234)  # noqa: E731  (fixed: the table shows real messages)
@@ -125,9 +126,9 @@ def _nested():
 
 def _poisoned():
     m, st = _mini()
-    st._fault_hook = lambda stage, step, when: (
+    seams.install(st, fault=lambda stage, step, when: (
         (_ for _ in ()).throw(RuntimeError("fault")) if stage == "restore" else None
-    )
+    ))
     try:
         with st.switch("draft", "eager"):
             pass
@@ -197,15 +198,15 @@ def _one_storage_two_values():
 
 def _restore_fails():
     m, st = _mini()
-    st._fault_hook = lambda stage, step, when: (_ for _ in ()).throw(RuntimeError("device lost")) \
-        if stage == "restore" and step.startswith("snapshot") else None
+    seams.install(st, fault=lambda stage, step, when: (_ for _ in ()).throw(RuntimeError("device lost"))
+                  if stage == "restore" and step.startswith("snapshot") else None)
     with st.switch("draft", "eager"):
         pass
 
 
 def _reentrant():
     m, st = _mini()
-    st._user_hook = lambda label: st.switch("draft", "eager").__enter__()  # what a Recompute fn calling back does
+    seams.install(st, user=lambda label: st.switch("draft", "eager").__enter__())  # a Recompute fn calling back
     st.write("seq_lens", m.seq_lens.clone())
 
 
@@ -415,7 +416,7 @@ def _body_raises():
 
     r, m, x = _runner(fn, capture=False)
     armed[0] = True  # warmups passed; only the capture raises
-    r.warmup_iters = 0
+    r.options = dataclasses.replace(r.options, warmup_iters=0)
     r.capture_all(x, m)
 
 
@@ -1017,7 +1018,16 @@ CASES: list[Case] = [
         lambda: (lambda m, st: graphed(lambda x, meta: x * 2, buckets=[2, 8], state=st, backend="emulated",
                                       progress=False)(torch.rand(2, 3, generator=G()), m))(*_mini()),
     ),
-    Case("graph-backend", CaptureError, "capture", "an unknown backend name", lambda: _runner(backend="tpu")),
+    Case("graph-backend", DeclarationError, "declaration", "an unknown backend name",
+         lambda: graphed(lambda x: x, backend="tpu")),
+    Case("graph-host-state-policy", DeclarationError, "declaration", "an unknown host_state policy",
+         lambda: graphed(lambda x: x, host_state="fix")),
+    Case("graph-warmup-iters", DeclarationError, "declaration", "warmup_iters below 0 or not an int",
+         lambda: graphed(lambda x: x, warmup_iters=-1)),
+    Case("graph-side-effect-cap", DeclarationError, "declaration", "max_side_effect_bytes not a byte count",
+         lambda: graphed(lambda x: x, max_side_effect_bytes="1GB")),
+    Case("graph-pad-axes", DeclarationError, "declaration", "pad_axes with a non-positive rows-per-item",
+         lambda: graphed(lambda x: x, pad_axes={"seq": 0})),
     Case(
         "graph-backend-cuda",
         CaptureError,

@@ -6,6 +6,7 @@ import torch
 
 import graphctl
 from graphctl import CorruptedStateError, NestedSwitchError, bind
+from graphctl.state import seams
 from graphctl.testing import AllocationTracker
 from support.mini import MiniMetadata, make_registry, slots
 
@@ -125,12 +126,10 @@ def test_failed_restore_poisons_state(meta, state):
         if stage == "restore" and step == "swap(block_offsets)" and when == "before":
             raise RuntimeError("restore fault")
 
-    state._fault_hook = hook
-    with pytest.raises(CorruptedStateError) as ei:
+    with seams.hooks(state, fault=hook), pytest.raises(CorruptedStateError) as ei:
         with state.switch("draft", "eager"):
             pass
     assert "swap(block_offsets)" in ei.value.failures
-    state._fault_hook = None
     with pytest.raises(CorruptedStateError, match="block_offsets"):
         state.write("seq_lens", meta.seq_lens.clone())
     with pytest.raises(CorruptedStateError):
@@ -144,7 +143,7 @@ def test_keyboard_interrupt_during_apply_undoes(meta, state):
         if stage == "apply" and step.startswith("recompute") and when == "after":
             raise KeyboardInterrupt
 
-    state._fault_hook = hook
+    seams.install(state, fault=hook)
     with pytest.raises(KeyboardInterrupt):
         state.switch("draft", "eager").__enter__()
     assert_same(meta, before)

@@ -265,10 +265,10 @@ def audit_graph(graph: Any, bucket: int, *, known: Sequence[tuple[str, str, torc
         for n, d in plan.buffers.items():
             if d.stable or d.host or d.readers == DEFAULT_READERS:
                 continue  # nothing declared to check: scratch, host mirrors, or "any segment may read"
-            for r in sorted({_role(x) for x in d.readers}):
-                if not any(n in u for s, u in usage.items() if _role(s) == r):
-                    findings.append(Finding("warning", "unread-reader", n, r, None,
-                                            f"declared as read by {r} segments, none reads it"))
+            for role in sorted({_role(x) for x in d.readers}):
+                if not any(n in u for s, u in usage.items() if _role(s) == role):
+                    findings.append(Finding("warning", "unread-reader", n, role, None,
+                                            f"declared as read by {role} segments, none reads it"))
     if plan is not None:
         findings += _stale_reads(nodes, seg_of, amap, plan)
     return Audit(bucket, tuple(findings), usage, classes, census(nodes))
@@ -316,3 +316,4 @@ def _stale_reads(nodes: Sequence[Node], seg_of: Mapping[int, str], amap: Address
                     if d != b and not node.graphctl:
                         stale.setdefault(d, (name, node.name, top))
     return out
+

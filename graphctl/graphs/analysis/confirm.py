@@ -29,15 +29,17 @@ confirm run is a debugging step, run it where a failed process costs nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from graphctl import ops
-from graphctl.graphs.analysis.audit import Audit, Finding
+from graphctl.graphs.analysis.audit import Audit, Finding, audit_graph, param_tensors
 
-__all__ = ["confirm", "POISONS"]
+__all__ = ["audit_runner", "confirm", "POISONS"]
 
 POISONS = (0x00, 0x00, 0xFF)  # the second 0x00 is the determinism control
 
@@ -112,3 +114,28 @@ def _settle(region: tuple[int, int] | None, graph: Any, replay: Callable[[], Non
                              f"vs 0xFF, {end - start} B)")
     return "dropped", (f"outputs and writes bitwise equal with the freed block ({end - start} B) poisoned 0x00 and "
                        "0xFF, and the replay wrote nothing there")
+
+
+def audit_runner(runner: Any, params: Any, poison: bool, replay: Callable[[int], None]) -> dict[int, Audit]:
+    """``runner.audit()``: per bucket, :func:`audit_graph` against the regions the runner knows;
+    with ``poison``, each possible finding replayed with its freed block poisoned
+    (``analysis/confirm.py``), the caller's state put back after."""
+    fn = runner.fn
+    owner = fn.__self__ if inspect.ismethod(fn) else None  # a decorated module's method
+    model = param_tensors(params if params is not None else runner.params if runner.params is not None
+                          else owner if isinstance(owner, torch.nn.Module) else None)
+    guard = runner.guard_all() if poison else None  # allocated before the freed blocks are listed
+    plan = runner.state.plan if runner.state is not None else None
+    out = {b: audit_graph(runner.graph(b), b, known=runner.known_tensors(b), segments=runner.segments(b),
+                          workspaces=runner.workspaces, plan=plan, params=model) for b in runner.captured}
+    if guard is None:
+        return out
+    with guard:
+        return {b: confirm(a, runner.graph(b), replay=functools.partial(replay, b),
+                           sync=runner.capture.backend.synchronize, observed=functools.partial(_observed, runner, b),
+                           restore=guard.restore) for b, a in out.items()}
+
+
+def _observed(runner: Any, bucket: int) -> list[torch.Tensor]:
+    """What a replay of ``bucket`` leaves for the caller: its outputs and its writes."""
+    return runner.outputs(bucket) + [t for *_, t in runner.written(bucket)]

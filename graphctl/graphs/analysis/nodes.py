@@ -112,6 +112,8 @@ def short_name(symbol: str) -> str:
     parts = []
     while s and s[0].isdigit():
         m = _NESTED.match(s)
+        if m is None:  # a digit run _NESTED does not take: not a name we can read
+            break
         n, s = int(m.group(1)), s[m.end():]
         parts.append(s[:n])
         s = s[n:]

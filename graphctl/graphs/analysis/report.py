@@ -15,7 +15,9 @@ the JSON form documented in ``docs/user-guide.md`` (``schema`` names its version
                   "replay_us": 31.0 | null, "eager_us": 212.0 | null, "replays": 3, "eager_runs": 0,
                   "segments": [{"name": "target", "start": 0, "end": 30}, ...]}],
      "side_effects": [{"path": "cache.layers[0].keys", "op": "aten::index_copy_",
-                       "where": "cache_utils.py:487", "nbytes": 32768, "policy": "restore"}]}
+                       "where": "cache_utils.py:487", "nbytes": 32768, "policy": "restore"}],
+     "reach": {"objects": 412, "tensors": 150, "host_values": 310, "paths_checked": 66,
+               "paths_unchecked": 0, "past_depth": 0, "past_bound": 0}}
 
 ``nodes`` and segment bounds count graph nodes (CUDA) or recorded ops (emulated); -1 where
 cuda-bindings is missing. ``replay_us``/``eager_us`` are medians from ``runner.measure()``,
@@ -23,7 +25,8 @@ null until it ran. ``eager_runs`` counts the calls of a bucket's size that fell 
 ``eager_streak`` the calls since the last replay that all ran eagerly, and ``bypassed`` is true
 once it reaches ``GRAPHCTL_BYPASS_WINDOW`` (the graphs are captured but serve nothing).
 (``/2`` added ``eager_runs``, ``eager_streak``, ``bypassed``, ``host_changes``,
-``padding_hazards`` and ``unreached`` to ``/1``.)
+``padding_hazards`` and ``unreached`` to ``/1``; ``compiled``, ``compile`` and ``reach`` were
+added since, as keys only: readers of ``/2`` ignore them.)
 """
 from __future__ import annotations
 
@@ -85,6 +88,9 @@ class Report:
     # dynamo was asked to convert during the capture: they ran uncompiled)
     compiled: tuple[str, ...] = ()
     compile: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
+    # what the capture's walk of the forward's objects saw and left out (graphs/reach.py): objects,
+    # tensors, host_values, paths_checked, paths_unchecked (past the cap), past_depth, past_bound
+    reach: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def uncompiled(self) -> int:
@@ -120,6 +126,24 @@ class Report:
                       _us(b.replay_us), _us(b.eager_us), speed, str(b.replays), str(b.eager_runs))
         return t
 
+    def findings(self) -> list[str]:
+        """One line per thing the capture found beyond the table (``str(report)`` and ``graphctl
+        capture`` print these): padding hazards, what the reach walk left out, unreached reads,
+        host values changed, side effects."""
+        out = [f"padding hazard: padded rows of input '{z['input']}' index {z['op']} into {z['target']} "
+               f"at {z['where']}: pad with a sentinel the write skips, or a scratch slot" for z in self.padding_hazards]
+        left = {k: self.reach.get(k, 0) for k in ("paths_unchecked", "past_depth", "past_bound")}
+        if any(left.values()):
+            out.append("reach walk left out: " + ", ".join(f"{k} {v:,}" for k, v in left.items() if v))
+        out += [f"reached by no path: a {u['dtype']} tensor {list(u['shape'])} on {u['device']} read by "
+                f"{u['op']} at {u['where']}: declare it or keep it where the forward's arguments reach"
+                for u in self.unreached]
+        out += [f"host state changed by warmup/capture ({h['policy']}): {h['path']} {h['before']!r} -> "
+                f"{h['after']!r}" for h in self.host_changes]
+        out += [f"side effect ({e['policy']}): {e['path']} ({e['nbytes']:,} B) written by {e['op']} at "
+                f"{e['where']}" for e in self.side_effects]
+        return out
+
     def __str__(self) -> str:
         from rich.console import Console
 
@@ -132,18 +156,8 @@ class Report:
             buf.write(f"{self.compile_summary}; compiled frames run uncompiled: {self.uncompiled}\n")
         if self.fallbacks:
             buf.write("eager fallbacks: " + "; ".join(f"{r} (x{c})" for r, c in self.fallbacks.items()) + "\n")
-        for z in self.padding_hazards:
-            buf.write(f"padding hazard: padded rows of input '{z['input']}' index {z['op']} into {z['target']} at "
-                      f"{z['where']}\n")
-        for u in self.unreached:
-            buf.write(f"reached by no path: a {u['dtype']} tensor {list(u['shape'])} on {u['device']} read by "
-                      f"{u['op']} at {u['where']}\n")
-        for h in self.host_changes:
-            buf.write(f"host state changed by warmup/capture ({h['policy']}): {h['path']} {h['before']!r} -> "
-                      f"{h['after']!r}\n")
-        for e in self.side_effects:
-            buf.write(f"side effect ({e['policy']}): {e['path']} ({e['nbytes']:,} B) written by {e['op']} at "
-                      f"{e['where']}\n")
+        for line in self.findings():
+            buf.write(line + "\n")
         return buf.getvalue()
 
 

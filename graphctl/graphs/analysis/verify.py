@@ -80,6 +80,7 @@ class VerifyResult:
                          "scratch nobody reads)")
             return text
         m = self.mismatch
+        assert m is not None  # not ok: a mismatch is named
         what = m.output if m.output.startswith("write ") else f"output {m.output}"
         return (f"bucket {self.bucket} (n={self.n}): {what} differs first at index {m.index}: "
                 f"eager {m.expected}, replay {m.found}")

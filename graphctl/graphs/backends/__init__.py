@@ -23,11 +23,14 @@ __all__ = ["BackendDecl", "BACKENDS", "CapturedGraph", "GraphBackend", "select_b
 class CapturedGraph(Protocol):
     """One captured bucket, as a backend hands it back."""
 
-    node_count: int
-    pool_bytes: int
     failed_at: int | None  # the node a replay that raised stopped at; None when it runs whole or not at all
 
+    @property
+    def node_count(self) -> int: ...
+    @property
+    def pool_bytes(self) -> int: ...
     def replay(self) -> None: ...
+    def dot(self, path: str) -> None: ...  # Graphviz DOT (CUDA); the emulated graph says it has none
     def nodes(self) -> list[Node]: ...  # capture order, bodies nested (graphs/analysis/nodes.py)
     def memory_regions(self) -> list[Region]: ...  # pools and allocator blocks, for the audit
     def repoint(self, moves: list[Any]) -> Callable[[], int]: ...  # checks now; the call rewrites (graphs/repoint.py)

@@ -46,7 +46,9 @@ class _NodeOrder:
     ``cudaGraphGetNodes`` lists them in."""
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
-        self.stream, self.order, self._seen = stream, [], set()
+        self.stream = stream
+        self.order: list[Any] = []
+        self._seen: set[Any] = set()
 
     def _add(self, handles: list[int]) -> None:
         for h in handles:
@@ -85,7 +87,7 @@ class CudaGraph:
     def __init__(self, graph: torch.cuda.CUDAGraph, pool_bytes: int, order: list[int], pool: Any,
                  device: torch.device) -> None:
         self._graph = graph
-        self.failed_at: int | None = None  # a launch runs whole or not at all (see Captured.replay)
+        self.failed_at: int | None = None  # a launch runs whole or not at all (see BucketGraph.replay)
         self.pool_bytes = pool_bytes
         self.order = order  # node handles in capture order (segments slice it)
         self.node_count = len(order) if order else -1

@@ -40,7 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
 
-from graphctl.errors import CaptureError
+from graphctl.errors import CaptureError, ReplayError
 from graphctl.graphs import compiled as _compiled
 from graphctl.graphs.analysis.nodes import Node, Ref, Region
 from graphctl.graphs.frames import GRAPHCTL_DIR, user_frame
@@ -145,7 +145,7 @@ class _Recorder(TorchDispatchMode):
 class EmulatedGraph:
     """A recorded op list replayed onto its capture-time storages."""
 
-    def __init__(self, ops: list[_Op]) -> None:
+    def __init__(self, ops: list[_Op | _Call]) -> None:
         self._ops = ops
         self.failed_at: int | None = None  # the op a replay stopped at (None: it ran whole)
         seen: dict[int, int] = {}
@@ -169,7 +169,7 @@ class EmulatedGraph:
         self.failed_at = None
         with deferred(), torch.no_grad():
             for i, op in enumerate(self._ops):
-                self.failed_at = i  # where an op that raises stopped the replay (Captured.replay poisons past a switch)
+                self.failed_at = i  # where a raising op stopped the replay (BucketGraph.replay poisons past a switch)
                 res = op.func(*op.args, **op.kwargs)  # a recorded compiled call runs compiled: no mode is on
                 for w in op.waits:
                     res[w].wait()
@@ -205,6 +205,10 @@ class EmulatedGraph:
             op.args = tuple(fix(a) for a in op.args)
             op.kwargs = {k: fix(a) for k, a in op.kwargs.items()}
         return count
+
+    def dot(self, path: str) -> None:
+        raise ReplayError("DOT export needs a CUDA graph", expected="backend 'cuda'", found="an emulated graph",
+                          fix="capture on a GPU (backend='cuda'); emulated graphs have nodes() instead")
 
     def op_names(self) -> list[str]:
         return [op.name if isinstance(op, _Call) else op.func._schema.name for op in self._ops]
@@ -320,6 +324,7 @@ class _LooksLikeCapture:
                     def is_current_stream_capturing() -> bool:
                         return threading.get_ident() in _LooksLikeCapture._threads or original()
 
+                    owner: Any  # torch.cuda re-exports it from torch.cuda.graphs (stubs name neither)
                     for owner in (torch.cuda, torch.cuda.graphs):
                         self._saved.append((owner, "is_current_stream_capturing", owner.is_current_stream_capturing))
                         owner.is_current_stream_capturing = is_current_stream_capturing
@@ -353,7 +358,8 @@ class _Rerouted:
     of a with-statement's exit could skip an ``__exit__``). A site is listed before it is rebound."""
 
     def __init__(self, rec: _Recorder) -> None:
-        self._rec, self._done = rec, []
+        self._rec = rec
+        self._done: list[tuple[Any, Any]] = []
 
     def enter(self, sites: Sequence[Any]) -> None:
         for s in sites:
@@ -398,7 +404,10 @@ class EmulatedBackend:
     def opaque(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """A compiled forward, called through the recorder of the capture running then."""
         def call(*args: Any, **kwargs: Any) -> Any:
-            return self._rec.opaque(fn, "compiled:forward")(*args, **kwargs)
+            rec = self._rec
+            if rec is None:  # called outside a capture: nothing records it
+                return fn(*args, **kwargs)
+            return rec.opaque(fn, "compiled:forward")(*args, **kwargs)
         return call
 
     def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int,

@@ -77,7 +77,7 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     if b is None:
         raise RuntimeError("graphctl_paged attention needs graphctl_batch=PagedBatch(...) in the model call; "
                            "run the model through graphctl.integrations.hf.HFEngine")
-    _, H, T, d = query.shape
+    H, T, d = query.shape[1:]
     kvh = key.shape[1]
     layer = module.layer_idx
     k_tok = key[0].transpose(0, 1).reshape(T, kvh * d)

@@ -81,6 +81,9 @@ class HFEngine(MTPEngine):
     no Inductor CUDA graphs): graphed, the captured graphs hold the fused kernels; a string names
     another ``torch.compile`` backend (``"aot_eager"``: quick on a CPU)."""
 
+    target_layers: Any  # the transformers models (the reference engine's are lists of its own layers)
+    draft_layers: Any
+
     def __init__(self, target: Any, draft: Any, *, draft_len: int = 3, block_size: int = 16, max_seqs: int = 8,
                  max_context: int = 256, spec: StateSpec | None = None, compile: bool | str = False) -> None:
         for role, m in (("target", target), ("draft", draft)):
@@ -142,7 +145,7 @@ class HFEngine(MTPEngine):
 
     # ----------------------------------------------------------------------- the models
 
-    def run_layers(self, tokens: torch.Tensor, model: Any, per_request: int = 1,  # type: ignore[override]
+    def run_layers(self, tokens: torch.Tensor, model: Any, per_request: int = 1,
                    rows: int = 0) -> torch.Tensor:
         """Logits [T, vocab] of ``model`` for ``tokens`` laid out by the metadata now, at most
         ``per_request`` tokens a request in ``rows`` request rows (0: ``T / per_request``, a
@@ -199,8 +202,8 @@ class HFEngine(MTPEngine):
             first[done.to(self.device)] = logits[ends[done].to(self.device)].argmax(-1)
         return first
 
-    def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int, forward: Any = None, *,
-                 eos_token_id: int | None = None, progress: bool = False) -> GenerateResult:  # type: ignore[override]
+    def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int,  # type: ignore[override]
+                 forward: Any = None, *, eos_token_id: int | None = None, progress: bool = False) -> GenerateResult:
         """Greedy generation: prefill, then decode (``draft_len`` 0) or speculative steps through
         ``forward`` (``self.step``/``self.decode_step`` by default, or their ``@graphed``
         wrappers), until every request has ``max_new_tokens`` tokens or its EOS."""

@@ -16,10 +16,10 @@ from graphctl.graphs.analysis.report import Segment
 from graphctl.graphs.frames import user_frame
 from graphctl.graphs.stale import Held, refs, watch
 
-__all__ = ["Captured", "gc_held", "segments_from_marks", "settle_slicing"]
+__all__ = ["BucketGraph", "gc_held", "segments_from_marks", "settle_slicing"]
 
 
-class Captured:
+class BucketGraph:
     """One bucket's graph and everything its replay relies on."""
 
     __slots__ = ("graph", "out_flat", "out_spec", "out_rows", "single", "manifest", "segments", "draft",
@@ -95,6 +95,7 @@ class Captured:
             del out  # counted below as graphctl alone holds them
             self._held.built(before)
             rec = self._sets[key] = objs, refs(objs)
+        assert self._held is not None  # made with the first set above
         self._held.given(rec, self.bucket)
         return rec[0][0]
 
@@ -112,7 +113,7 @@ class Captured:
         return out
 
 
-def settle_slicing(caps: Sequence[Captured]) -> None:
+def settle_slicing(caps: Sequence[BucketGraph]) -> None:
     """An output is sliced only where every bucket agrees it is batched, at one per_item: a
     first dim that equals bucket * per_item in one bucket only is a coincidence."""
     caps = list(caps)
@@ -126,7 +127,8 @@ def settle_slicing(caps: Sequence[Captured]) -> None:
 
 def segments_from_marks(marks: list[tuple[str, int]], total: int) -> tuple[Segment, ...]:
     """Turn switch enter/exit marks into named segments: target, draft (or draft[i]), post."""
-    segs, cursor, drafts = [], 0, sum(1 for e, _ in marks if e == "enter")
+    segs: list[Segment] = []
+    cursor, drafts = 0, sum(1 for e, _ in marks if e == "enter")
     i = 0
     for event, at in marks:
         if event == "enter":

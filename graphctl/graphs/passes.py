@@ -1,0 +1,276 @@
+"""The two capture passes, filling one :class:`~graphctl.graphs.capture.Capture`.
+
+:func:`capture_buckets` runs them on the record the example call made:
+
+1. **warmup**, every bucket, largest first: each bucket starts from the caller's state, loads
+   the example's first ``min(n, bucket)`` items (padding the state for the bucket), and runs
+   the forward eagerly ``warmup_iters`` times under the mutable-buffer guard. Every eager run
+   goes under the side-effect tracker (``graphs/effects.py``): the bucket's first in full
+   (writes, reads, padding taint), later ones for writes only; what they find is restored
+   after every run. Every workspace reaches its high-water mark before any capture, so no
+   capture records a first-time allocation.
+2. **capture**, largest first into one pool (smaller graphs reuse its blocks), each bucket
+   from the caller's state again, segments marked at every switch boundary.
+
+The objects the forward reaches are walked twice (``graphs/reach.py``): before the passes and
+after them. The caller's state (declared buffers and side effects) is handed back as it was
+found, on success and on any exception. Compiled forwards (``graphs/compiled.py``): the first
+run of a bucket goes under the ``force_eager`` stance (tracked), the others run compiled
+(untracked: a digest of the watched storages finds what they alone write), and dynamo's work
+is counted per bucket (a frame it must convert during a capture ran uncompiled).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from graphctl.graphs import compiled, hoststate, reach, rebinding
+from graphctl.graphs.analysis.audit import param_tensors
+from graphctl.graphs.analysis.nodes import Region
+from graphctl.graphs.bucket import BucketGraph, gc_held, segments_from_marks, settle_slicing
+from graphctl.graphs.capture import Capture
+from graphctl.graphs.effects import storage_key
+from graphctl.graphs.options import Options
+from graphctl.state import BoundState, CopyInPlace
+from graphctl.state import paths as entry_paths
+from graphctl.state.snapshot import Snapshot
+
+__all__ = ["capture_buckets"]
+
+log = logging.getLogger("graphctl")
+
+
+def capture_buckets(fn: Callable[..., Any], cap: Capture, opts: Options, arguments: dict[str, Any]) -> None:
+    """Both passes (see the module docstring), their results kept in ``cap``. The objects
+    the forward reaches are walked twice (``graphs/reach.py``): before the passes (what the
+    write tracker watches, host values before, compiled callables) and after them (host values
+    after, the paths to check, what is reached at all)."""
+    p = _Passes(fn, cap, opts)
+    name = getattr(fn, "__qualname__", fn)
+    start = reach.roots(fn, arguments, opts.params, cap.sig.get)
+    first = reach.walk(start, skip=fn)
+    compiled.refuse_inductor_graphs(p.fn, first.sites)
+    stats: dict[int, dict[str, int]] = {}
+    stuck: list[str] = []
+    try:
+        graphs, workspaces = _passes(p, arguments, first, stats)
+    finally:  # whatever happened, the host values are compared (and, by policy, put back)
+        last = reach.walk(start, skip=p.fn)
+        found = hoststate.changes(first.host, last.host)
+        if found and p.opts.host_state != "warn":
+            stuck = hoststate.put_back(first.host, found)
+    if found:
+        if p.opts.host_state == "error":
+            raise hoststate.refuse(found)
+        done = "" if p.opts.host_state != "restore" else \
+            " (put back)" if not stuck else f" (put back, except {'; '.join(stuck)})"
+        log.warning("graphctl: %s: warmup and capture changed host state the graph may have baked%s: %s",
+                    name, done, "; ".join(map(str, found)))
+    skip = _owned(p) | _sources(p.cap.state) | {storage_key(t) for t in _model_tensors(p.opts.params)}
+    checks, unchecked = rebinding.collect(last, p.cap.ledger.used, skip)
+    if unchecked or last.cuts():
+        log.warning("graphctl: %s: the reach walk left state out: %s", name, "; ".join(
+            ([f"{sum(unchecked.values())} paths past the {rebinding.MAX_PATHS} checked per replay ("
+              + ", ".join(f"{c} {r}" for r, c in unchecked.items()) + ")"] if unchecked else [])
+            + ([last.cuts()] if last.cuts() else [])))
+    reached = first.tensors.keys() | last.tensors.keys() | skip  # read before the forward ran, with no path to it
+    p.cap.ledger.unreached = tuple(u for k, u in p.cap.ledger.external.items() if k not in reached)
+    if p.cap.ledger.unreached:
+        log.warning("graphctl: %s: tensors the graph reads that no checked path reaches: %s",
+                    name, "; ".join(map(str, p.cap.ledger.unreached)))
+    for b, st in sorted(stats.items()):
+        if st["uncompiled"]:
+            log.warning("graphctl: %s: bucket %d: dynamo was asked to convert %d frame(s) during the capture (a guard "
+                        "that failed after the warmups, or a recompile limit): compiled frames ran uncompiled",
+                        name, b, st["uncompiled"])
+    paths_of_sites = tuple(s.path for s in first.sites) + (("forward",) if compiled.is_compiled(p.fn) else ())
+    counts = {"objects": last.objects, "tensors": len(last.tensors), "host_values": len(last.host),
+              "paths_checked": len(checks), "paths_unchecked": sum(unchecked.values()),
+              "past_depth": last.cut["depth"], "past_bound": last.cut["nodes"]}
+    cap.graphs, cap.workspaces, cap.host_changes, cap.paths = graphs, workspaces, tuple(found), checks
+    cap.compile, cap.sites, cap.reach = stats, paths_of_sites, counts
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Passes:
+    fn: Callable[..., Any]
+    cap: Capture
+    opts: Options
+
+
+def _model_tensors(params: Any) -> list[torch.Tensor]:
+    """The tensors of ``params=`` (the model's weights: never rebound per step, never path-checked)."""
+    try:
+        return list(param_tensors(params).values()) if params is not None else []
+    except TypeError:  # an unusable params= is the audit's to report, with its message
+        return []
+
+
+def _sources(state: BoundState | None) -> set[tuple[str, int]]:
+    """Storage keys of the declared copy sources (a path, or a function of the object): looked up
+    afresh at every switch, so rebinding them between calls is the declared way to feed a refresh,
+    not a stale read."""
+    out: set[tuple[str, int]] = set()
+    if state is None:
+        return out
+    for d in state.plan.buffers.values():
+        for act in (d.draft, d.refresh):
+            if not isinstance(act, CopyInPlace):
+                continue
+            try:  # a source only computes (its contract): one more lookup here changes nothing
+                src = act.source(state.obj) if callable(act.source) else entry_paths.get(state.obj, act.source)
+            except Exception:
+                continue
+            if isinstance(src, torch.Tensor):
+                out.add(storage_key(src))
+    return out
+
+
+def _owned(p: _Passes) -> set[tuple[str, int]]:
+    """Storage keys graphctl owns: static inputs, declared buffers (twins too), snapshot arenas."""
+    owned = {storage_key(slot.static) for slot in p.cap.slots}
+    if p.cap.state is not None:
+        owned |= {storage_key(p.cap.state.tensor(n)) for n in p.cap.state.plan.buffers}
+        owned |= {storage_key(t) for t in p.cap.state.arenas().values()}
+    return owned
+
+
+def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
+            stats: dict[int, dict[str, int]]) -> tuple[dict[int, BucketGraph], tuple[Region, ...]]:
+    be, sites = p.cap.backend, first.sites
+    watched = first.watched()
+    # the tracked run is eager by design (compiled.py): a compiled forward gets one compiling run more
+    runs = max(p.opts.warmup_iters, 2) if sites or compiled.is_compiled(p.fn) else p.opts.warmup_iters
+    order = sorted(p.opts.buckets.sizes, reverse=True)
+    graphs: dict[int, BucketGraph] = {}
+    with Snapshot.of(p.cap.state, BoundState.restorable_names) as given, gc_held(), _progress(p.opts.progress) as bar:
+        task = bar.add_task("warmup", total=2 * len(order)) if bar else None
+        be.synchronize()
+        before = be.live_blocks()
+        for b in order:  # pass 1: every workspace reaches its high-water mark before any capture
+            given.restore()
+            p.cap.load_example(arguments, b)
+            call = p.cap.call_args(arguments, b)
+            dynamo = compiled.Counters.now()
+            untracked = None  # a compiled forward's compiled runs: no tracker can watch them (compiled.py)
+            for it in range(runs):
+                try:
+                    with p.cap.guard:
+                        if it == 0 or not (sites or compiled.is_compiled(p.fn)):
+                            # the first run finds side effects and reads (tracked in full); every later
+                            # eager run too, only its writes (lean): a write may start on any run
+                            given.adopt(_tracked_warmup(p, call, watched, lean=it > 0))
+                        else:
+                            if untracked is None:
+                                untracked = p.cap.ledger.digest(watched)
+                            be.warmup(lambda: p.fn(*call[0], **call[1]))
+                except BaseException as exc:
+                    exc.add_note(f"graphctl: raised while warming up bucket {b}; the caller's state was restored")
+                    raise
+                if p.cap.ledger.tensors:  # the next run starts from the caller's state too
+                    given.restore(added_only=True)
+            if untracked is not None and (late := p.cap.ledger.untracked(untracked)):
+                log.warning("graphctl: %s: bucket %d: compiled warmups wrote state the tracked (eager) run did not: "
+                            "it cannot be restored: %s", getattr(p.fn, "__qualname__", p.fn), b,
+                            "; ".join(e.path for e in late))
+            done = compiled.Counters.now().since(dynamo)
+            stats[b] = {"warmup_frames": done.frames, "warmup_graphs": done.graphs, "breaks": done.breaks,
+                        "uncompiled": 0}
+            if bar:
+                bar.update(task, advance=1, description=f"warmup bucket {b}")
+        be.synchronize()
+        skipped = compiled.never_compiled(p.fn, sites)  # dynamo holds no code for them: they run uncompiled
+        if skipped:
+            log.warning("graphctl: %s: compiled callables with no compiled code after the warmups (dynamo skips them, "
+                        "e.g. after running under a dispatch mode elsewhere): %s", getattr(p.fn, "__qualname__", p.fn),
+                        ", ".join(skipped))
+        for st in stats.values():
+            st["uncompiled"] = len(skipped)
+        # what warmup allocated and kept is library state (cuBLAS workspaces): the audit's "workspace"
+        workspaces = tuple(Region(f"warmup allocation of {n} B", "workspace", a, a + n)
+                           for a, n in sorted(be.live_blocks() - before))
+        pool = be.new_pool()
+        t_start = time.perf_counter()
+        for b in order:  # pass 2: largest first, so smaller graphs reuse its pool blocks
+            given.restore()
+            p.cap.load_example(arguments, b)
+            dynamo = compiled.Counters.now()
+            graphs[b] = _capture_one(p, b, p.cap.call_args(arguments, b), pool, sites)
+            stats[b]["uncompiled"] += compiled.Counters.now().since(dynamo).frames
+            if bar:
+                pool_mib = sum(c.graph.pool_bytes for c in graphs.values()) / 2**20
+                bar.update(task, advance=1, description=f"captured bucket {b} "
+                           f"({time.perf_counter() - t_start:.1f}s, pool {pool_mib:.1f} MiB)")
+        settle_slicing(list(graphs.values()))
+    return graphs, workspaces
+
+
+def _tracked_warmup(p: _Passes, call: tuple[tuple, dict], watched: dict, lean: bool) -> list:
+    """An eager run under the write tracker: what it writes to tensors that existed before it
+    and graphctl does not own is a side effect. Returns the new ``(live, copy)`` pairs."""
+    owned = _owned(p)
+    be = p.cap.backend
+    # integer inputs whose padded rows hold valid indices (anything but a negative sentinel)
+    padded = {storage_key(s.static): s.spec.name for s in p.cap.slots
+              if not s.static.dtype.is_floating_point and s.static.dtype != torch.bool
+              and not (s.spec.pad.kind == "fill" and s.spec.pad.value is not None and s.spec.pad.value < 0)}
+    known = len(p.cap.ledger.hazards)
+
+    def run() -> Any:
+        stance = None
+        try:
+            stance = compiled.eager()  # dynamo never meets the tracker's dispatch mode (compiled.py)
+            with stance:
+                return be.warmup(lambda: p.fn(*call[0], **call[1]))
+        finally:  # again: an interrupt at the with-statement's exit skips its __exit__ (harmless twice)
+            if stance is not None:
+                stance.__exit__(None, None, None)
+
+    pairs = p.cap.ledger.track(run, watched, owned, be.synchronize, None if lean else padded, lean)
+    for h in list(p.cap.ledger.hazards.values())[known:]:
+        log.warning("graphctl: %s: %s", getattr(p.fn, "__qualname__", p.fn), h)
+    if pairs:
+        log.info("graphctl: %s writes state it does not own (restored around every warmup, capture, measure "
+                 "and verify run, %d B of snapshots): %s", getattr(p.fn, "__qualname__", p.fn),
+                 p.cap.ledger.nbytes, "; ".join(map(str, p.cap.ledger.effects)))
+    return pairs
+
+
+def _capture_one(p: _Passes, bucket: int, call: tuple[tuple, dict], pool: Any,
+                 sites: list[reach.SiteLeaf]) -> BucketGraph:
+    marks: list[tuple[str, int]] = []
+    be = p.cap.backend
+    fn = be.opaque(p.fn) if compiled.is_compiled(p.fn) else p.fn
+
+    def body(mark: Callable[[], int]) -> Any:
+        def observe(role: str, phase: str, event: str) -> None:
+            if phase == "capture":
+                marks.append((event, mark()))
+        if p.cap.state is None:
+            return fn(*call[0], **call[1])
+        with p.cap.state.observe(observe):
+            return fn(*call[0], **call[1])
+
+    t0 = time.perf_counter()
+    with p.cap.guard:
+        graph, out = be.capture(body, pool, bucket, sites)
+    ms = (time.perf_counter() - t0) * 1e3
+    return BucketGraph(graph, out, bucket, p.cap.manifest(), segments_from_marks(marks, graph.node_count), ms,
+                    frozenset({1} | {si.per_item for si in p.cap.inputs}))
+
+
+def _progress(show: bool | None) -> Any:
+    if show is None:
+        show = sys.stderr.isatty()
+    if not show:
+        return contextlib.nullcontext(None)
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    return Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(), transient=True)
