@@ -78,6 +78,7 @@ class GraphRunner:
         self.fn = fn
         self.options = opts = options if options is not None else Options.of(**Options.named("GraphRunner", given))
         self.buckets = opts.buckets
+        self._copy, self._paths = opts.copy_outputs, opts.check_paths  # read on every call: plain attributes
         # state="attr" names the instance's metadata when a method is decorated (see __get__)
         self._state_attr = opts.state if isinstance(opts.state, str) else None
         self._state = None if opts.state is None or self._state_attr is not None else \
@@ -104,10 +105,6 @@ class GraphRunner:
     backend_name = property(lambda self: self.options.backend)
     group = property(lambda self: self.options.group)
     params = property(lambda self: self.options.params)
-    warmup_iters = property(lambda self: self.options.warmup_iters)
-    host_state = property(lambda self: self.options.host_state)
-    copy_outputs = property(lambda self: self.options.copy_outputs)
-    side_effect_policy = property(lambda self: self.options.side_effects)
     workspaces = property(lambda self: self.capture.workspaces if self.capture is not None else ())
     host_changes: tuple[HostChange, ...] = property(  # type: ignore[assignment]
         lambda self: self.capture.host_changes if self.capture is not None else ())
@@ -119,6 +116,7 @@ class GraphRunner:
     @check_paths.setter
     def check_paths(self, value: bool | None) -> None:
         self.options = dataclasses.replace(self.options, check_paths=Options.of(check_paths=value).check_paths)
+        self._paths = self.options.check_paths
 
     @property
     def side_effects(self) -> tuple[SideEffect, ...]:
@@ -192,7 +190,14 @@ class GraphRunner:
         if cap is None or not cap.graphs:
             cap = self.capture_all(*args, **kwargs)._captured_or_raise("a call")
         n, lives = cap.batch(args, kwargs)
-        err, agreed = self._check_call(cap, n, lives, args, kwargs), n
+        if self.buckets.pick(n) is None:
+            err: ReplayError | None = ReplayError(
+                "batch size outside the captured buckets", expected=f"1 <= n <= {self.buckets.largest}",
+                found=f"n = {n}", fix="add a larger bucket or split the batch" +
+                (", or pass fallback='eager'" if self.fallback == "error" else ""))
+        else:
+            err = cap.refusal(n, lives, args, kwargs, _KNOBS["check_paths"] if self._paths is None else self._paths)
+        agreed = n
         if self._agreement is not None:  # with group=: every rank replays one bucket, or every rank runs eagerly
             agreed, all_ok = self._agreement.agree(n, err is None)
             if err is None and not all_ok:
@@ -207,34 +212,27 @@ class GraphRunner:
             return self._unservable(args, kwargs, err, n)
         bucket = self.buckets.at(agreed)
         graph = cap.graphs[bucket]
-        if self.state is not None:
-            self.state.check_usable()  # a poisoned state never replays, with or without a refresh
+        state = cap.state
+        if state is not None:
+            state.check_usable()  # a poisoned state never replays, with or without a refresh
         if not graph.checked or _KNOBS["check_manifest"]:  # before loading: never pad into a moved buffer
             cap.check_manifest(graph)
         cap.load(lives, n, bucket)
-        self._replay(graph)
+        self._replay(graph, cap)
         self._streak = 0
-        return graph.result(n, self.options.copy_outputs, _KNOBS["check_outputs"])
+        return graph.result(n, self._copy, _KNOBS["check_outputs"])
 
-    def _check_call(self, cap: Capture, n: int, lives: list[Any], args: tuple, kwargs: dict) -> ReplayError | None:
-        """Why this rank cannot replay this call, or None."""
-        if self.buckets.pick(n) is None:
-            return ReplayError("batch size outside the captured buckets", expected=f"1 <= n <= {self.buckets.largest}",
-                               found=f"n = {n}", fix="add a larger bucket or split the batch" +
-                               (", or pass fallback='eager'" if self.fallback == "error" else ""))
-        check = self.options.check_paths
-        return cap.refusal(n, lives, args, kwargs, _KNOBS["check_paths"] if check is None else check)
-
-    def _replay(self, graph: BucketGraph) -> None:
-        if graph.draft and self.state is not None and self.capture is not None and self.capture.refreshes:
+    def _replay(self, graph: BucketGraph, cap: Capture) -> None:
+        state = cap.state
+        if graph.draft and cap.refreshes and state is not None:
             if self._agreement is not None:  # a refresh that fails on one rank restores on all, before any replay
-                with agreed_switch(self.state, "draft", self._agreement, phase="refresh"):
-                    graph.replay(self.state)
+                with agreed_switch(state, "draft", self._agreement, phase="refresh"):
+                    graph.replay(state)
             else:
-                with self.state.switch("draft", phase="refresh"):
-                    graph.replay(self.state)
+                with state.switch("draft", phase="refresh"):
+                    graph.replay(state)
         else:
-            graph.replay(self.state)
+            graph.replay(state)
         graph.replays += 1
 
     def _unservable(self, args: tuple, kwargs: dict, err: ReplayError, n: int) -> Any:
@@ -325,7 +323,8 @@ class GraphRunner:
         tensors the forward reads (module, mapping or iterable; default ``params=`` or a decorated method's
         module). ``confirm``: replay with each possible finding's freed block poisoned (``analysis/confirm.py``):
         confirmed ones become errors, harmless ones move to ``Audit.dropped``; the caller's state is put back."""
-        return audit_runner(self, params, confirm, replay=lambda b: self._replay(self.record(b)))
+        cap = self._captured_or_raise("audit()")
+        return audit_runner(self, params, confirm, replay=lambda b: self._replay(cap.graphs[b], cap))
 
     def known_tensors(self, bucket: int) -> list[tuple[str, str, torch.Tensor]]:
         """``(kind, name, tensor)`` the runner knows for ``bucket``: the audit's named regions."""
