@@ -90,7 +90,7 @@ class BoundState:
         self._in_user: str | None = None  # the user callable graphctl is running, if any
         self._in_user_thread: int | None = None  # the thread running it: another thread's use is concurrent
         self._expect: dict[str | None, tuple[tuple[str, Any], ...]] = {}
-        self._expect_split: dict[str | None, tuple[tuple[tuple[str, Any], ...], ...]] = {}  # (plain, paths)
+        self._expect_split: dict[str | None, tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]] = {}
         self._write_groups: dict[tuple[str | None, str], tuple[tuple[str, ...], list, list]] = {}
         self._poisoned: tuple[str, ...] | None = None
         self._fault_hook: FaultHook | None = None

@@ -26,6 +26,7 @@ from typing import Any
 
 from graphctl import ops
 from graphctl.state import paths
+from graphctl.state.core import StateCore
 from graphctl.state.spec import OpCall
 from graphctl.state.steps import use_error
 from graphctl.state.transaction import Step, StepFailures
@@ -41,14 +42,14 @@ def _target(obj: Any, name: str) -> Any:
     return functools.partial(paths.put, obj, name) if paths.is_path(name) else name
 
 
-def _getter(st: Any, act: Any) -> Any:
+def _getter(st: StateCore, act: Any) -> Any:
     """How the table reads a copy source: a plain attribute name, or the state's own look-up (a
     path; a callable source, run as the user callable it is, once per switch)."""
     plain = isinstance(act.source, str) and not paths.is_path(act.source)
     return act.source if plain else functools.partial(st._source, act)
 
 
-def native_step(st: Any, phase: str) -> Step | None:
+def native_step(st: StateCore, phase: str) -> Step | None:
     """The phase's steps as one native step, or None where the Python steps must run."""
     if phase == "capture" or not ops.uses_extension():
         return None
@@ -71,7 +72,7 @@ def native_step(st: Any, phase: str) -> Step | None:
         puts += [(_target(obj, alias), tv, ov) for alias, ov, tv in st._aliases.get(name, ())]
     recomputes: list[tuple[Any, ...]] = []
     for n in pp.recompute:
-        rc = st.plan.buffers[n].derive
+        rc = st.plan.buffers[n].recompute
         if isinstance(rc.fn, OpCall):  # one op, launched from C++ with its arguments fixed here
             recomputes.append(("op", "graphctl::" + rc.fn.op, "",
                                rc.fn.bind(bound(n), tuple(bound(i) for i in rc.inputs))))

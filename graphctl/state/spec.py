@@ -225,6 +225,18 @@ class BufferDecl:
         """Snapshotted by switches and cloned by writes: every buffer but scratch and lasting state."""
         return not isinstance(self.draft, (Stable, Persistent))
 
+    @property
+    def padding(self) -> Pad:
+        """``pad`` of a buffer with an axis (the plan refuses an axis without one)."""
+        assert self.pad is not None, f"'{self.name}' has no padding policy"
+        return self.pad
+
+    @property
+    def recompute(self) -> Recompute:
+        """``derive`` of a derived buffer (callers hold a name from the plan's derived order)."""
+        assert self.derive is not None, f"'{self.name}' is not derived"
+        return self.derive
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ObjectDecl:

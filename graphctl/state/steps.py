@@ -14,13 +14,14 @@ from graphctl import ops
 from graphctl.errors import SwitchError
 from graphctl.state import paths
 from graphctl.state.arena import Group
+from graphctl.state.core import StateCore
 from graphctl.state.transaction import Step
 from graphctl.state.validate import check_source, source_label, source_meta
 
 __all__ = ["python_steps", "rebind_step", "use_error"]
 
 
-def python_steps(st: Any, phase: str) -> tuple[Step, ...]:
+def python_steps(st: StateCore, phase: str) -> tuple[Step, ...]:
     pp = st.plan.phases[phase]
     return tuple([snapshot_step(st, g) for g in st._groups[phase]]
                  + [rebind_step(st, name, twin) for name, twin in pp.swaps]
@@ -31,7 +32,7 @@ def use_error(name: str, what: str, expected: Any, found: Any, fix: str) -> Swit
     return SwitchError(what, buffer=name, expected=expected, found=found, fix=fix)
 
 
-def snapshot_step(st: Any, g: Group) -> Step:
+def snapshot_step(st: StateCore, g: Group) -> Step:
     statics, arenas = list(g.statics), list(g.arenas)
     sources = statics.copy() if g.copies else statics
     validated: dict[int, tuple[Any, tuple]] = {}  # copy index -> the source object last checked, its metadata
@@ -57,7 +58,7 @@ def snapshot_step(st: Any, g: Group) -> Step:
                 prepare=prepare if g.copies else None)
 
 
-def rebind_step(st: Any, name: str, twin: str) -> Step:
+def rebind_step(st: StateCore, name: str, twin: str) -> Step:
     obj = st.obj
     original = st._tensors.get(name, st._objects.get(name))
     twin_value = st._tensors.get(twin, st._objects.get(twin))
@@ -77,7 +78,7 @@ def rebind_step(st: Any, name: str, twin: str) -> Step:
     return Step(f"swap({name})", apply, undo, idempotent=True)
 
 
-def recompute_step(st: Any, name: str) -> Step:
+def recompute_step(st: StateCore, name: str) -> Step:
     # its undo is the snapshot's: the derived buffer is snapshotted with everything else
     return Step(f"recompute({name})", lambda: st._recompute(name), lambda: None,
                 recorded=st.device.type == "cuda", idempotent=True)

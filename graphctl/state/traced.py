@@ -30,6 +30,7 @@ import torch
 
 from graphctl.errors import SwitchError
 from graphctl.state import paths
+from graphctl.state.core import StateCore
 from graphctl.state.steps import rebind_step
 
 __all__ = ["TracedSwitch", "traced_write"]
@@ -38,7 +39,7 @@ __all__ = ["TracedSwitch", "traced_write"]
 class TracedSwitch:
     """A switch Dynamo inlines: see the module docstring."""
 
-    def __init__(self, st: Any, role: str, phase: str) -> None:
+    def __init__(self, st: StateCore, role: str, phase: str) -> None:
         self.st, self.role, self.pp = st, role, st.plan.phases[phase]
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.rebinds: list[Any] = []
@@ -68,7 +69,7 @@ class TracedSwitch:
         st._traced = None
 
 
-def traced_write(st: Any, name: str, value: torch.Tensor) -> None:
+def traced_write(st: StateCore, name: str, value: torch.Tensor) -> None:
     """``state.write`` as traced code (see the module docstring)."""
     d = st.plan.buffers.get(name)
     sw = st._traced
@@ -81,8 +82,8 @@ def traced_write(st: Any, name: str, value: torch.Tensor) -> None:
     n = value.shape[d.axis_dim] if d.axis is not None else target.shape[0]
     target.narrow(d.axis_dim if d.axis is not None else 0, 0, n).copy_(value)
     if d.axis is not None and n < target.shape[d.axis_dim]:
-        d.pad.apply(target.narrow(d.axis_dim, n, target.shape[d.axis_dim] - n),
-                    target.narrow(d.axis_dim, n - 1, 1) if n else None, d.axis_dim)
+        d.padding.apply(target.narrow(d.axis_dim, n, target.shape[d.axis_dim] - n),
+                        target.narrow(d.axis_dim, n - 1, 1) if n else None, d.axis_dim)
     resolve = sw.pp.resolve if sw is not None else {}
     held = resolve.get(name, name)
     shared = [e for e in st._tensors if resolve.get(e, e) == held] or [name]

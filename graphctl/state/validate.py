@@ -10,6 +10,7 @@ import torch
 from graphctl import ops
 from graphctl.errors import BindError, SwitchError, did_you_mean
 from graphctl.state import paths
+from graphctl.state.core import StateCore
 from graphctl.state.spec import BufferDecl, CopyInPlace
 
 __all__ = ["validate", "bind_aliases", "byte_range", "check_source", "source_label", "source_meta", "span"]
@@ -35,12 +36,12 @@ def _instance_attrs(obj: Any) -> dict[str, Any]:
         return {}
 
 
-def err(st, name: str | None, what: str, expected: Any, found: Any, fix: str) -> BindError:
+def err(st: StateCore, name: str | None, what: str, expected: Any, found: Any, fix: str) -> BindError:
     return BindError(f"{type(st.obj).__qualname__}.{name}: {what}" if name else what, buffer=name,
                      expected=expected, found=found, fix=fix)
 
 
-def get(st, name: str) -> Any:
+def get(st: StateCore, name: str) -> Any:
     try:
         return paths.get(st.obj, name)
     except (AttributeError, IndexError, KeyError, TypeError):
@@ -50,7 +51,7 @@ def get(st, name: str) -> Any:
                   f"set {type(st.obj).__qualname__}.{name} before bind, or fix the declared name") from None
 
 
-def validate(st) -> None:
+def validate(st: StateCore) -> None:
     plan = st.plan
     devices: dict[str, torch.device] = {}
     for name, d in plan.buffers.items():
@@ -96,7 +97,7 @@ def validate(st) -> None:
     check_sources(st)
 
 
-def check_shape(st, name: str, d: BufferDecl, t: torch.Tensor) -> None:
+def check_shape(st: StateCore, name: str, d: BufferDecl, t: torch.Tensor) -> None:
     assert d.shape is not None  # called for declared shapes only
     if t.dim() != len(d.shape):
         raise err(st, name, "rank differs from the declared shape", d.shape, tuple(t.shape),
@@ -116,7 +117,7 @@ def check_shape(st, name: str, d: BufferDecl, t: torch.Tensor) -> None:
                       "allocate every buffer sharing a dimension name at one size")
 
 
-def check_twins(st) -> None:
+def check_twins(st: StateCore) -> None:
     for name, twin in st.plan.phases["eager"].swaps:
         if name in st._objects:
             if st._objects[name] is st._objects[twin]:
@@ -130,7 +131,7 @@ def check_twins(st) -> None:
                       "allocate the twin like the original: kernels baked for one must fit the other")
 
 
-def check_overlaps(st) -> None:
+def check_overlaps(st: StateCore) -> None:
     spans = []
     for name, t in st._tensors.items():
         lo, hi = span(t)
@@ -147,7 +148,7 @@ def check_overlaps(st) -> None:
             prev = s
 
 
-def check_sources(st) -> None:
+def check_sources(st: StateCore) -> None:
     for name, d in st.plan.buffers.items():
         for act in (d.draft, d.refresh):
             if isinstance(act, CopyInPlace) and isinstance(act.source, str):
@@ -168,7 +169,7 @@ def source_label(act: Any) -> str:
     return f"source '{src}'" if isinstance(src, str) else f"source {getattr(src, '__qualname__', repr(src))}()"
 
 
-def check_source(st, name: str, src: Any, label: str, err: Callable[..., Exception]) -> None:
+def check_source(st: StateCore, name: str, src: Any, label: str, err: Callable[..., Exception]) -> None:
     dst = st._tensors[name]
     if not isinstance(src, torch.Tensor):
         raise err(name, f"CopyInPlace {label} is not a tensor", "torch.Tensor", type(src).__name__,
@@ -180,7 +181,7 @@ def check_source(st, name: str, src: Any, label: str, err: Callable[..., Excepti
                   "produce the source at the buffer's shape, dtype and device")
 
 
-def bind_aliases(st) -> dict[str, tuple[tuple[str, torch.Tensor, torch.Tensor | None], ...]]:
+def bind_aliases(st: StateCore) -> dict[str, tuple[tuple[str, torch.Tensor, torch.Tensor | None], ...]]:
     """Per base buffer: (alias, view of the original, same view of the twin or None)."""
     twins = dict(st.plan.phases["eager"].swaps)
     out = {}
@@ -221,7 +222,7 @@ def bind_aliases(st) -> dict[str, tuple[tuple[str, torch.Tensor, torch.Tensor | 
     return out
 
 
-def expected_bindings(st: Any, phase: str | None) -> tuple[tuple[str, Any], ...]:
+def expected_bindings(st: StateCore, phase: str | None) -> tuple[tuple[str, Any], ...]:
     """What every declared attribute of ``st.obj`` must be in ``phase`` (None: outside a switch):
     the bind-time object, or its twin where the phase swaps it. Built once per phase."""
     exp = st._expect.get(phase)
@@ -233,7 +234,7 @@ def expected_bindings(st: Any, phase: str | None) -> tuple[tuple[str, Any], ...]
     return exp
 
 
-def _split(st: Any, phase: str | None) -> tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]:
+def _split(st: StateCore, phase: str | None) -> tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]:
     """The expected bindings of ``phase`` as (plain names, paths): plain ones are checked in one C call."""
     out = st._expect_split.get(phase)
     if out is None:
@@ -244,12 +245,12 @@ def _split(st: Any, phase: str | None) -> tuple[tuple[tuple[str, Any], ...], tup
     return out
 
 
-def _hidden(st: Any, phase: str | None) -> frozenset[str]:
+def _hidden(st: StateCore, phase: str | None) -> frozenset[str]:
     """Entries under an object the phase swaps: nothing reaches them by name inside it."""
     return frozenset(st.plan.phases[phase].hidden) if phase is not None else frozenset()
 
 
-def check_bindings(st: Any, entering: str | None = None) -> None:
+def check_bindings(st: StateCore, entering: str | None = None) -> None:
     """Raise ``SwitchError`` naming the first declared attribute rebound, deleted or re-viewed
     behind graphctl's back (run on every switch entry and write)."""
     # Fast path, run on every switch and write: every attribute is exactly what it should

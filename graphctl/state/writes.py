@@ -16,6 +16,7 @@ from graphctl import ops
 from graphctl.errors import StaleBufferError, SwitchError, did_you_mean
 from graphctl.knobs import knobs
 from graphctl.state import paths
+from graphctl.state.core import StateCore
 from graphctl.state.interrupts import deferred
 from graphctl.state.spec import BufferDecl, OpCall
 from graphctl.state.validate import byte_range
@@ -25,7 +26,7 @@ __all__ = ["write", "write_many", "pad", "check"]
 _KNOBS = knobs.live()  # a plain dict lookup on every write
 
 
-def write_group(st, names: tuple[str, ...]) -> tuple[list[tuple[list, list]], tuple[str, ...]]:
+def write_group(st: StateCore, names: tuple[str, ...]) -> tuple[list[tuple[list, list]], tuple[str, ...]]:
     """The undo copy of a write or pad: per device, the tensors it may change and their
     ``write`` slots (one fused copy each: a fused op never mixes host and device memory), and
     the ``Stable`` ones among them (never cloned, so a failed write cannot roll them back)."""
@@ -48,7 +49,7 @@ def write_group(st, names: tuple[str, ...]) -> tuple[list[tuple[list, list]], tu
 
 
 @contextlib.contextmanager
-def all_or_nothing(st, what: str, names: tuple[str, ...]) -> Iterator[None]:
+def all_or_nothing(st: StateCore, what: str, names: tuple[str, ...]) -> Iterator[None]:
     """Own the state, hold interrupts, keep an undo copy of ``names``; roll back on any raise."""
     with deferred(), st._owned(what):
         groups, stable = write_group(st, names)
@@ -71,7 +72,7 @@ def all_or_nothing(st, what: str, names: tuple[str, ...]) -> Iterator[None]:
             raise
 
 
-def sharing(st, name: str) -> tuple[str, ...]:
+def sharing(st: StateCore, name: str) -> tuple[str, ...]:
     """Entries bound to the same tensor as ``name`` right now (a swapped attribute and its
     twin inside a switch): a write through any of them changes the inputs of all."""
     sw = st._active
@@ -81,12 +82,12 @@ def sharing(st, name: str) -> tuple[str, ...]:
     return tuple(e for e in st._tensors if sw.resolve.get(e, e) == held) or (name,)
 
 
-def write(st, name: str, value: torch.Tensor) -> None:
+def write(st: StateCore, name: str, value: torch.Tensor) -> None:
     """See ``BoundState.write``."""
     write_many(st, {name: value})
 
 
-def write_many(st, values: Mapping[str, torch.Tensor]) -> None:
+def write_many(st: StateCore, values: Mapping[str, torch.Tensor]) -> None:
     """See ``BoundState.write_many``: every value checked, then one held section, one undo copy,
     the writes, and each derived buffer of any of them recomputed once, in dependency order."""
     st._begin_use("write()")
@@ -141,8 +142,8 @@ def write_many(st, values: Mapping[str, torch.Tensor]) -> None:
             n = value.shape[ax] if value.dim() else 1
             if d.axis is not None and n < target.shape[ax]:
                 target.narrow(ax, 0, n).copy_(value)
-                d.pad.apply(target.narrow(ax, n, target.shape[ax] - n), target.narrow(ax, n - 1, 1) if n else None,
-                            ax)
+                d.padding.apply(target.narrow(ax, n, target.shape[ax] - n),
+                                target.narrow(ax, n - 1, 1) if n else None, ax)
             else:
                 target.copy_(value)
         for dep in deps:
@@ -159,11 +160,11 @@ def overlaps(value: torch.Tensor, target: torch.Tensor) -> bool:
     return lo < thi and tlo < hi
 
 
-def check_lengths(st, name: str, value: torch.Tensor) -> None:
+def check_lengths(st: StateCore, name: str, value: torch.Tensor) -> None:
     """Under ``GRAPHCTL_CHECK_LENGTHS``: a value an OpCall token map reads as lengths has none negative."""
     for derived, d in st.plan.buffers.items():
         fn = d.derive.fn if d.derive is not None else None
-        if isinstance(fn, OpCall) and name in fn.length_inputs(d.derive.inputs):
+        if isinstance(fn, OpCall) and name in fn.length_inputs(d.recompute.inputs):
             bad = ops.reference.first_negative(value)  # a host sync on a GPU: the knob's documented cost
             if bad is not None:
                 raise SwitchError("write() value holds a negative length", buffer=name,
@@ -172,7 +173,7 @@ def check_lengths(st, name: str, value: torch.Tensor) -> None:
                                   fix="write non-negative lengths (0 for a request with no tokens)")
 
 
-def check_one_storage(st, names: tuple[str, ...]) -> None:
+def check_one_storage(st: StateCore, names: tuple[str, ...]) -> None:
     """Two entries of one ``write_many`` bound to one tensor right now (a swapped attribute and its
     twin inside a switch) would leave the outcome to dict order: refused, naming both."""
     sw = st._active
@@ -189,7 +190,7 @@ def check_one_storage(st, names: tuple[str, ...]) -> None:
         held[h] = n
 
 
-def check_value(st, name: str, d: BufferDecl, target: torch.Tensor, value: Any) -> None:
+def check_value(st: StateCore, name: str, d: BufferDecl, target: torch.Tensor, value: Any) -> None:
     if not isinstance(value, torch.Tensor):
         raise SwitchError("write() value is not a tensor", buffer=name, expected="torch.Tensor",
                           found=type(value).__name__, fix="wrap it with torch.as_tensor on the buffer's device")
@@ -211,7 +212,7 @@ def check_value(st, name: str, d: BufferDecl, target: torch.Tensor, value: Any) 
                           found=tuple(value.shape), fix="write at most the buffer's extent; padding fills the tail")
 
 
-def pad(st, counts: Mapping[str, int], ends: Mapping[str, int] | None = None) -> None:
+def pad(st: StateCore, counts: Mapping[str, int], ends: Mapping[str, int] | None = None) -> None:
     """See ``BoundState.pad``."""
     st._begin_use("pad()")
     if st._active is not None:
@@ -222,14 +223,14 @@ def pad(st, counts: Mapping[str, int], ends: Mapping[str, int] | None = None) ->
     st._check_bindings()
     work = []
     for name, d, t in st._padded:
-        if d.axis in counts:
+        if d.axis is not None and d.axis in counts:
             n = counts[d.axis]
             if not isinstance(n, int) or not 0 <= n <= t.shape[d.axis_dim]:
                 raise SwitchError("pad() count outside the buffer", buffer=name,
                                   expected=f"an int, 0 <= {d.axis} <= {t.shape[d.axis_dim]}", found=n,
                                   fix="pass the live count, at most the bucket size")
             end = min(t.shape[d.axis_dim], ends.get(d.axis, t.shape[d.axis_dim])) if ends else t.shape[d.axis_dim]
-            if end > n and d.pad.kind != "keep":
+            if end > n and d.padding.kind != "keep":
                 work.append((name, d, t, n, end))
     if not work:
         return
@@ -237,12 +238,13 @@ def pad(st, counts: Mapping[str, int], ends: Mapping[str, int] | None = None) ->
     deps = st.plan.closure(touched)
     with all_or_nothing(st, "pad()", touched + deps), torch.no_grad():
         for _, d, t, n, end in work:
-            d.pad.apply(t.narrow(d.axis_dim, n, end - n), t.narrow(d.axis_dim, n - 1, 1) if n else None, d.axis_dim)
+            d.padding.apply(t.narrow(d.axis_dim, n, end - n), t.narrow(d.axis_dim, n - 1, 1) if n else None,
+                            d.axis_dim)
         for dep in deps:
             st._recompute(dep)
 
 
-def check(st) -> None:
+def check(st: StateCore) -> None:
     """See ``BoundState.check``."""
     st._begin_use("check()")
     err = first_stale(st)
@@ -250,7 +252,7 @@ def check(st) -> None:
         raise err
 
 
-def first_stale(st) -> StaleBufferError | None:
+def first_stale(st: StateCore) -> StaleBufferError | None:
     """The first derived buffer that differs from ``fn(inputs)`` recomputed into scratch, as an error."""
     for name in st.plan.order:
         live = paths.get(st.obj, name)
@@ -262,7 +264,7 @@ def first_stale(st) -> StaleBufferError | None:
         if not torch.equal(a, b):
             es = live.element_size()
             idx = int((a != b).nonzero()[0]) // es
-            inputs = list(st.plan.buffers[name].derive.inputs)
+            inputs = list(st.plan.buffers[name].recompute.inputs)
             return StaleBufferError("derived buffer is stale", buffer=name,
                                    expected=f"fn({', '.join(inputs)})[{idx}] = {scratch.reshape(-1)[idx].item()}",
                                    found=live.reshape(-1)[idx].item(), index=idx,
