@@ -69,6 +69,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("graph_backend", "GRAPHCTL_BACKEND", _parse_choice("auto", "cuda", "emulated"), "auto", "runtime",
          "What `backend=\"auto\"` picks for `@graphed`: `auto` (CUDA graphs when the inputs are on a CUDA "
          "device, else the emulated recorder), `cuda` or `emulated`. An explicit `backend=` wins."),
+    Knob("paged_attention", "GRAPHCTL_PAGED_ATTENTION", _parse_choice("auto", "triton", "reference"), "auto",
+         "runtime",
+         "The CUDA kernel of `graphctl::paged_attention` (the HF engine's attention): `auto` (the Triton kernel "
+         "where Triton imports, else the pure-PyTorch reference), `triton` (an error without Triton) or "
+         "`reference` (gather the pages, attend under a mask). Other devices always run the reference."),
     Knob("no_extension", "GRAPHCTL_NO_EXTENSION", _parse_bool, False, "runtime",
          "Do not load `graphctl._C`; every op runs its pure-PyTorch reference. `graphctl info` "
          "reports the reason."),

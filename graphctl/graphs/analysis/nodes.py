@@ -32,6 +32,9 @@ from collections.abc import Sequence
 __all__ = ["Ref", "Node", "Region", "flatten", "is_library_kernel", "LIBRARY_KERNEL_PREFIXES", "census", "short_name"]
 
 
+_MODEL_OPS = frozenset({"graphctl::paged_attention"})  # graphctl's ops a model calls (graphctl/ops/attention.py)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Ref:
     """A device address found in a node: ``where`` in its arguments, and how it is used."""
@@ -64,8 +67,9 @@ class Node:
 
     @property
     def graphctl(self) -> bool:
-        """A node of graphctl's own switch machinery (declared, not audited as user work)."""
-        return self.name.startswith("graphctl::")
+        """A node of graphctl's own switch machinery (declared, not audited as user work). The
+        model-level ops graphctl also ships (paged attention) are the model's work: audited."""
+        return self.name.startswith("graphctl::") and self.name not in _MODEL_OPS
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

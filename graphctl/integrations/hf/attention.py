@@ -16,11 +16,11 @@ transformers backend does). The model runs with ``use_cache=False``; no mask is 
 implementation without a mask function makes transformers skip mask creation, and the
 positions decide causality here).
 
-Math: the step's queries are scattered into ``[rows, q, heads, head_dim]`` (rows = requests in
-the forward, q = tokens a request at most), each request's pages gathered into
-``[rows, kv_heads, context, head_dim]``, and ``scaled_dot_product_attention`` runs with a boolean
-mask ``key position <= query position`` and grouped-query heads. Everything is tensor code with
-shapes fixed by (rows, q): capturable, no host sync.
+Math: ``torch.ops.graphctl.paged_attention`` (``graphctl/ops/attention.py``): each token attends
+its request's keys ``0 .. position`` through ``block_table``, grouped-query heads, pages read in
+place by a Triton kernel on CUDA (the pure-PyTorch reference, which gathers the pages and runs
+under a mask, elsewhere and under ``GRAPHCTL_PAGED_ATTENTION=reference``). Shapes are fixed by
+the token count: capturable, no host sync, and a compiled model traces the op whole.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+import graphctl.ops.attention  # noqa: F401 - registers torch.ops.graphctl.paged_attention
 from graphctl.families.paged import KVCacheManager, PagedMetadata
 
 __all__ = ["ATTENTION", "PagedBatch", "paged_attention", "register"]
@@ -38,13 +39,14 @@ ATTENTION = "graphctl_paged"
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PagedBatch:
-    """What every layer of one forward reads, computed once per forward (:meth:`build`)."""
+    """What every layer of one forward reads, taken once per forward (:meth:`build`): views of
+    the declared metadata, so a captured forward reads what each step wrote there."""
 
     manager: KVCacheManager  # the bound manager: the draft's inside a draft switch
     slots: torch.Tensor  # [T] int64 slot of each token (PAD_SLOT for none)
-    index: torch.Tensor  # [T] int64 row * q + offset of each token; rows * q for a token of no request
-    key_slots: torch.Tensor  # [rows, C] int64 cache slot of each key position of each request
-    mask: torch.Tensor  # [rows, 1, q, C] bool: key position <= query position
+    table: torch.Tensor  # [rows, B] int32 each request row's pages
+    req: torch.Tensor  # [T] int32 each token's row; rows or more for a token of no request
+    positions: torch.Tensor  # [T] int64 each token's position: it attends its row's keys 0..position
     rows: int
     q: int
 
@@ -52,20 +54,8 @@ class PagedBatch:
     def build(meta: PagedMetadata, tokens: int, q: int, rows: int) -> PagedBatch:
         """The batch of ``tokens`` tokens laid out by ``meta`` now, ``q`` tokens a request at most,
         ``rows`` request rows (a bucket's padded rows included)."""
-        mgr: KVCacheManager = meta.kv_cache_manager
-        bs = mgr.block_size
-        req = meta.req_idx_per_token[:tokens].long()
-        live = req < rows
-        r = req.clamp(max=rows - 1)
-        offset = meta.token_index[:tokens] - meta.cu_seq_lens[r]  # token_index: the family's constant 0..T-1
-        index = torch.where(live, r * q + offset.clamp(0, q - 1), rows * q)
-        pos = meta.token_positions[:tokens].clamp(min=0)  # a padded request's -1: key 0 stays visible
-        qpos = torch.zeros(rows * q + 1, dtype=pos.dtype, device=pos.device).index_copy_(0, index, pos)
-        table = meta.block_table[:rows].long()
-        j = torch.arange(table.shape[1] * bs, device=table.device)
-        key_slots = table[:, j // bs] * bs + j % bs
-        mask = (j[None, None, :] <= qpos[:-1].view(rows, q)[:, :, None])[:, None]
-        return PagedBatch(mgr, meta.slot_mapping[:tokens], index, key_slots, mask, rows, q)
+        return PagedBatch(meta.kv_cache_manager, meta.slot_mapping[:tokens], meta.block_table[:rows],
+                          meta.req_idx_per_token[:tokens], meta.token_positions[:tokens], rows, q)
 
 
 def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -82,16 +72,11 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     layer = module.layer_idx
     k_tok = key[0].transpose(0, 1).reshape(T, kvh * d)
     v_tok = value[0].transpose(0, 1).reshape(T, kvh * d)
-    b.manager.write(layer, b.slots, k_tok, v_tok)
-    kc = b.manager.k[layer].view(-1, kvh * d)[b.key_slots].view(b.rows, -1, kvh, d).transpose(1, 2)
-    vc = b.manager.v[layer].view(-1, kvh * d)[b.key_slots].view(b.rows, -1, kvh, d).transpose(1, 2)
-    q = query[0].transpose(0, 1)  # [T, H, d]
-    qr = torch.zeros(b.rows * b.q + 1, H, d, dtype=q.dtype, device=q.device).index_copy_(0, b.index, q)
-    qr = qr[:-1].view(b.rows, b.q, H, d).transpose(1, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(qr, kc, vc, attn_mask=b.mask, scale=scaling,
-                                                           enable_gqa=H != kvh)
-    flat = torch.cat([out.transpose(1, 2).reshape(b.rows * b.q, H, d), out.new_zeros(1, H, d)])
-    return flat.index_select(0, b.index)[None], None
+    b.manager.write(layer, b.slots, k_tok, v_tok)  # first: the step's own keys are attended at their positions
+    scale = scaling if scaling is not None else d ** -0.5
+    out = torch.ops.graphctl.paged_attention(query[0].transpose(0, 1), b.manager.k[layer], b.manager.v[layer],
+                                             b.table, b.req, b.positions, scale)
+    return out[None], None
 
 
 def register() -> None:

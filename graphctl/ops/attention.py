@@ -1,0 +1,130 @@
+"""Paged attention that reads the KV cache's pages in place: ``torch.ops.graphctl.paged_attention``.
+
+``paged_attention(q, k_cache, v_cache, block_table, req_idx, positions, scale)``:
+
+- ``q`` ``[T, H, D]``: the step's query tokens, packed (any number a request: 1 in decode, k+1 in
+  a target verify, a whole prompt in prefill);
+- ``k_cache``, ``v_cache`` ``[P, BS, KVH * D]``: one layer's pools, ``P`` pages of ``BS`` slots
+  (the ``paged`` family's ``KVCacheManager.k[layer]``), dense; ``H`` a multiple of ``KVH``
+  (grouped-query heads: query head ``h`` reads KV head ``h // (H // KVH)``);
+- ``block_table`` ``[R, B]`` int: row ``r``'s pages, in key order;
+- ``req_idx`` ``[T]`` int: each token's row; a token whose row is outside ``[0, R)`` belongs to no
+  request and its output is zeros;
+- ``positions`` ``[T]`` int: each token attends its row's keys ``0 .. positions[t]`` (clamped to
+  ``[0, B * BS - 1]``), which is causality inside a query block too: the keys of the step's own
+  tokens are in the cache already (written before the call), each at its position.
+
+Returns ``[T, H, D]`` in ``q``'s dtype (softmax and accumulation in float32). Registered with
+``torch.library``: a fake kernel (``torch.compile`` traces the op, shapes only), the pure-PyTorch
+reference :func:`reference` as the CPU kernel and the fallback everywhere, and on CUDA a Triton
+kernel (:mod:`graphctl.ops.attention_triton`; ``GRAPHCTL_PAGED_ATTENTION`` picks). Nothing
+allocates but the output, nothing reads a device value on the host, and the Triton grid is
+``(T, KVH)``: fixed for a fixed ``T``, so the op records into a CUDA graph and replays with the
+lengths and tables the step wrote.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from graphctl.knobs import knobs
+
+__all__ = ["paged_attention", "reference", "kernel_for"]
+
+log = logging.getLogger("graphctl")
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+           req_idx: torch.Tensor, positions: torch.Tensor) -> tuple[int, int, int]:
+    """``(KVH, BS, C)`` of a well-formed call; ``ValueError`` naming what is not."""
+    if q.dim() != 3:
+        raise ValueError(f"paged_attention: q must be [T, H, D], got shape {tuple(q.shape)}")
+    T, H, D = q.shape
+    if k_cache.dim() != 3 or k_cache.shape != v_cache.shape or k_cache.shape[-1] % D:
+        raise ValueError(f"paged_attention: k_cache and v_cache must be one [P, BS, KVH * {D}] shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    kvh = k_cache.shape[-1] // D
+    if H % kvh:
+        raise ValueError(f"paged_attention: {H} query heads are not a multiple of {kvh} KV heads")
+    if block_table.dim() != 2 or req_idx.shape != (T,) or positions.shape != (T,):
+        raise ValueError(f"paged_attention: block_table must be [R, B], req_idx and positions [{T}]; got "
+                         f"{tuple(block_table.shape)}, {tuple(req_idx.shape)}, {tuple(positions.shape)}")
+    for name, t in (("block_table", block_table), ("req_idx", req_idx), ("positions", positions)):
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"paged_attention: {name} must be an integer tensor, got {t.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_attention: the caches must be contiguous (pages read in place)")
+    bs = k_cache.shape[1]
+    return kvh, bs, block_table.shape[1] * bs
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+              req_idx: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """The op in plain PyTorch (the module docstring's semantics): every token's row of pages
+    gathered into ``[T, C, KVH, D]`` and attended under the mask ``key <= position``."""
+    kvh, bs, C = _check(q, k_cache, v_cache, block_table, req_idx, positions)
+    T, H, D = q.shape
+    R = block_table.shape[0]
+    r = req_idx.long()
+    live = (r >= 0) & (r < R)
+    rc = r.clamp(0, max(R - 1, 0))
+    j = torch.arange(C, device=q.device)
+    slots = block_table.long()[rc][:, j // bs] * bs + j % bs  # [T, C]
+    k = k_cache.reshape(-1, kvh, D)[slots].float()  # [T, C, KVH, D]
+    v = v_cache.reshape(-1, kvh, D)[slots].float()
+    g = H // kvh
+    qf = q.float().view(T, kvh, g, D)
+    scores = torch.einsum("tkgd,tckd->tkgc", qf, k) * scale
+    last = positions.long().clamp(0, C - 1)
+    mask = (j[None, :] <= last[:, None]) & live[:, None]  # [T, C]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a dead token's row is all -inf: zeros
+    out = torch.einsum("tkgc,tckd->tkgd", p, v).reshape(T, H, D)
+    return out.to(q.dtype)
+
+
+@torch.library.custom_op("graphctl::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    req_idx: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """See the module docstring. Runs :func:`reference` on every device but CUDA."""
+    return reference(q, k_cache, v_cache, block_table, req_idx, positions, scale)
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+      req_idx: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    _check(q, k_cache, v_cache, block_table, req_idx, positions)
+    return q.new_empty(q.shape)
+
+
+@paged_attention.register_kernel("cuda")
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+      req_idx: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    _check(q, k_cache, v_cache, block_table, req_idx, positions)
+    return kernel_for(q)(q, k_cache, v_cache, block_table, req_idx, positions, scale)
+
+
+_TRITON: dict[str, object] = {}  # "kernel" -> the Triton launcher, or "why" -> the reason there is none
+
+
+def kernel_for(q: torch.Tensor):  # noqa: ANN201 - one of two callables of the op's signature
+    """The implementation ``GRAPHCTL_PAGED_ATTENTION`` picks for ``q``'s device: ``auto`` and
+    ``triton`` use the Triton kernel where Triton imports (``triton`` raises where it does not),
+    ``reference`` the pure-PyTorch one."""
+    choice = knobs.paged_attention
+    if choice == "reference" or q.device.type != "cuda":
+        return reference
+    if "kernel" not in _TRITON and "why" not in _TRITON:
+        try:
+            from graphctl.ops import attention_triton
+        except ImportError as exc:  # CPU-only wheels ship no Triton
+            _TRITON["why"] = f"{type(exc).__name__}: {exc}"
+        else:
+            _TRITON["kernel"] = attention_triton.paged_attention
+    if "kernel" in _TRITON:
+        return _TRITON["kernel"]
+    if choice == "triton":
+        raise RuntimeError(f"GRAPHCTL_PAGED_ATTENTION=triton, but Triton cannot be imported ({_TRITON['why']}); "
+                           "install torch's CUDA wheels (they ship Triton) or set it to auto or reference")
+    return reference

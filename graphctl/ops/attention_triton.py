@@ -1,0 +1,105 @@
+"""The Triton kernel of ``graphctl::paged_attention`` (semantics: ``graphctl/ops/attention.py``).
+
+One program per (query token, KV head): it reads the token's row and position from device memory,
+walks that row's pages through ``block_table`` ``BLOCK_N`` keys at a time (pages read in place: no
+gathered copy), and keeps an online softmax (running max, running sum, float32 accumulator) for the
+``H // KVH`` query heads that share the KV head, so each key and value is loaded once for the group.
+Loads are in the cache's dtype, products in float32 (TF32 tensor cores for 16-bit caches, whose
+values TF32 holds exactly; IEEE for float32 caches). A token of no request, or past its row's keys,
+loads nothing and writes zeros. The grid ``(T, KVH)`` depends on shapes only: one launch records
+into a CUDA graph.
+
+Importing this module imports Triton (``graphctl.ops.attention`` imports it lazily, and falls back
+to the reference where Triton is missing). ``TRITON_INTERPRET=1`` (Triton's own variable, read when
+the kernel is first built) runs it on CPU tensors through Triton's interpreter: the CPU tests
+compare it with the reference that way.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_attention"]
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The jitted kernel, built on first use (so ``TRITON_INTERPRET`` set by then applies)."""
+
+    @triton.jit
+    def graphctl_paged_attention(Q, K, V, BT, REQ, POS, OUT, scale, rows, n_pages,
+               sq_t, sq_h, sbt_r, so_t, so_h,
+               KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+               BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        t = tl.program_id(0)
+        kh = tl.program_id(1)
+        r = tl.load(REQ + t).to(tl.int64)
+        live = (r >= 0) & (r < rows)
+        last = tl.minimum(tl.maximum(tl.load(POS + t).to(tl.int64), 0), n_pages * BS - 1)
+        n_keys = tl.where(live, last + 1, 0)
+        r = tl.where(live, r, 0)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_g = offs_g < G
+        mask_d = offs_d < D
+        heads = kh * G + offs_g
+        q = tl.load(Q + t * sq_t + heads[:, None] * sq_h + offs_d[None, :],
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        row_stride = KVH * D  # one slot of one layer's pool: every KV head's D values
+        for start in range(0, n_keys, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_keys
+            page = tl.load(BT + r * sbt_r + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
+            slot = page * BS + offs_n % BS
+            kv_off = slot[:, None] * row_stride + kh * D + offs_d[None, :]
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v)
+            m_i = m_new
+        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        tl.store(OUT + t * so_t + heads[:, None] * so_h + offs_d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=mask_g[:, None] & mask_d[None, :])
+
+    return graphctl_paged_attention
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    req_idx: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Launch the kernel (arguments as ``graphctl.ops.attention.paged_attention``'s, checked there)."""
+    T, H, D = q.shape
+    kvh, bs = k_cache.shape[-1] // D, k_cache.shape[1]
+    g = H // kvh
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    # tl.dot needs every dimension >= 16; key blocks of 64 (a page of 16 read four at a time)
+    block_g, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(D))
+    block_n = 64 if block_d <= 128 else 32
+    _kernel()[(T, kvh)](q, k_cache, v_cache, bt, req_idx, positions, out, float(scale), bt.shape[0], bt.shape[1],
+                        q.stride(0), q.stride(1), bt.stride(0), out.stride(0), out.stride(1),
+                        KVH=kvh, G=g, D=D, BS=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+                        IEEE=q.dtype == torch.float32)
+    return out

@@ -1,0 +1,138 @@
+"""``graphctl::paged_attention`` (issue 32): the reference against a plain per-token loop, the Triton
+kernel against the reference (through Triton's interpreter on the CPU), the fake kernel under
+``torch.compile``, and bad input refused by name."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import graphctl.ops.attention  # noqa: F401 - registers the op
+from graphctl.ops.attention import reference
+
+
+def _case(gen: torch.Generator, dtype: torch.dtype, *, H: int, KVH: int, D: int, BS: int, B: int, R: int,
+          q_per_row: int) -> tuple:
+    """A ragged batch: R rows of up to ``q_per_row`` tokens at random positions, a dead token or
+    two, pages shuffled over a pool with spares, one row's positions past its pages."""
+    P = R * B + 3
+    q_tokens, req, pos = [], [], []
+    for r in range(R):
+        n = int(torch.randint(1, q_per_row + 1, (1,), generator=gen))
+        start = int(torch.randint(0, B * BS - n + 1, (1,), generator=gen))
+        req += [r] * n
+        pos += list(range(start, start + n))
+    req += [R, -1]  # tokens of no request
+    pos += [3, 0]
+    pos[0] = B * BS + 5  # past the row's keys: clamped to the last one
+    T = len(req)
+    q = torch.randn(T, H, D, generator=gen).to(dtype)
+    k = torch.randn(P, BS, KVH * D, generator=gen).to(dtype)
+    v = torch.randn(P, BS, KVH * D, generator=gen).to(dtype)
+    table = torch.randperm(P, generator=gen)[: R * B].view(R, B).to(torch.int32)
+    return (q, k, v, table, torch.tensor(req, dtype=torch.int32), torch.tensor(pos, dtype=torch.int64),
+            float(torch.rand(1, generator=gen)) * 0.5 + 0.05)
+
+
+def _loop(q, k, v, table, req, pos, scale) -> torch.Tensor:
+    """The op's meaning, one token and head at a time (an oracle sharing no code with the op)."""
+    T, H, D = q.shape
+    BS, KVH = k.shape[1], k.shape[2] // D
+    R, B = table.shape
+    out = torch.zeros(T, H, D, dtype=torch.float64)
+    for t in range(T):
+        r = int(req[t])
+        if not 0 <= r < R:
+            continue
+        last = min(max(int(pos[t]), 0), B * BS - 1)
+        for h in range(H):
+            kh = h // (H // KVH)
+            keys = torch.stack([k[int(table[r, j // BS]), j % BS, kh * D:(kh + 1) * D] for j in range(last + 1)])
+            vals = torch.stack([v[int(table[r, j // BS]), j % BS, kh * D:(kh + 1) * D] for j in range(last + 1)])
+            w = torch.softmax(keys.double() @ q[t, h].double() * scale, 0)
+            out[t, h] = w @ vals.double()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [dict(H=4, KVH=4, D=8, BS=4, B=3, R=3, q_per_row=1),
+                                   dict(H=8, KVH=2, D=16, BS=16, B=2, R=2, q_per_row=4),
+                                   dict(H=6, KVH=3, D=12, BS=5, B=3, R=4, q_per_row=3)])
+def test_reference_equals_a_per_token_loop(gen, dtype, shape):
+    case = _case(gen, dtype, **shape)
+    got = reference(*case)
+    want = _loop(*case)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    dead = case[4] >= shape["R"]
+    assert torch.equal(got[dead], torch.zeros_like(got[dead]))
+
+
+_TRITON_CHECK = r"""
+import sys, torch
+from graphctl.ops.attention import reference
+from graphctl.ops.attention_triton import paged_attention
+sys.path.insert(0, sys.argv[1])
+from unit.test_attention import _case
+gen = torch.Generator().manual_seed(int(sys.argv[2]))
+worst = {}
+for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)):
+    for shape in (dict(H=4, KVH=4, D=8, BS=4, B=3, R=3, q_per_row=1),
+                  dict(H=8, KVH=2, D=16, BS=16, B=2, R=2, q_per_row=4),
+                  dict(H=6, KVH=3, D=12, BS=5, B=7, R=3, q_per_row=3),
+                  dict(H=16, KVH=1, D=64, BS=16, B=9, R=2, q_per_row=2)):
+        case = _case(gen, dtype, **shape)
+        got = paged_attention(*case)  # into torch.empty: every element must be written, dead tokens too
+        want = reference(*case)
+        assert not got.isnan().any(), (dtype, shape)
+        dead = case[4] >= shape["R"]
+        assert torch.equal(got[dead], torch.zeros_like(got[dead])), (dtype, shape)
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= tol, (dtype, shape, err)
+        worst[str(dtype)] = max(worst.get(str(dtype), 0.0), err)
+print(worst)
+"""
+
+
+def test_the_triton_kernel_equals_the_reference_in_triton_s_interpreter(gen):
+    # Issue 32: the kernel the H200 runs, checked on the CPU through TRITON_INTERPRET (read when Triton builds it).
+    pytest.importorskip("triton")
+    tests = os.path.dirname(os.path.dirname(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    seed = str(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    res = subprocess.run([sys.executable, "-c", _TRITON_CHECK, tests, seed], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "float32" in res.stdout and "bfloat16" in res.stdout
+
+
+def test_the_op_traces_under_compile_and_equals_eager(gen):
+    # Issue 32: a compiled model traces the op whole (the fake kernel gives its shape), and it runs the same kernel.
+    case = _case(gen, torch.float32, H=4, KVH=2, D=8, BS=4, B=3, R=3, q_per_row=3)
+
+    def attend(q, k, v, table, req, pos):
+        return torch.ops.graphctl.paged_attention(q * 1.0, k, v, table, req, pos, case[-1]) + 0.0
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(*case[:-1]), reference(*case), rtol=1e-6, atol=1e-6)
+    torch.library.opcheck(torch.ops.graphctl.paged_attention.default, case)
+
+
+@pytest.mark.parametrize("bad", ["q_rank", "heads", "cache_shape", "float_table", "req_len"])
+def test_bad_input_is_refused_by_name(gen, bad):
+    q, k, v, table, req, pos, scale = _case(gen, torch.float32, H=4, KVH=2, D=8, BS=4, B=3, R=3, q_per_row=2)
+    if bad == "q_rank":
+        q, match = q[0], "q must be"
+    elif bad == "heads":
+        q, match = q[:, :3], "not a multiple"
+    elif bad == "cache_shape":
+        v, match = v[:, :2], "one \\[P, BS"
+    elif bad == "float_table":
+        table, match = table.float(), "block_table must be an integer"
+    else:
+        req, match = req[:-1], "req_idx and positions"
+    with pytest.raises(ValueError, match=match):
+        torch.ops.graphctl.paged_attention(q, k, v, table, req, pos, scale)
