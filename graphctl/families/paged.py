@@ -184,11 +184,13 @@ PAGED_SPEC = paged_spec(block_size=8)
 
 class PagedMetadata:
     """The paged buffer set for ``seqs`` sequences of up to ``blocks`` blocks, ``1 + draft_len``
-    tokens a request at most; ``kv_cache_manager``/``draft_kv_cache_manager`` own the caches."""
+    tokens a request in a step; ``kv_cache_manager``/``draft_kv_cache_manager`` own the caches.
+    ``max_tokens``: the token buffers' length, when a forward may carry more tokens than a step
+    does (a ragged prefill of whole prompts); at least ``seqs * (1 + draft_len)``."""
 
     def __init__(self, *, seqs: int, blocks: int, draft_len: int, kv_cache_manager: KVCacheManager,
-                 draft_kv_cache_manager: KVCacheManager, device) -> None:
-        S, T = seqs, seqs * (1 + draft_len)
+                 draft_kv_cache_manager: KVCacheManager, device, max_tokens: int = 0) -> None:
+        S, T = seqs, max(seqs * (1 + draft_len), max_tokens)
         dev = torch.device(device)
         pin = dev.type == "cuda"
         self.max_tokens = T

@@ -191,3 +191,32 @@ def test_compiled_engine_graphed_equals_eager_and_reports_no_weight(gen):
     names = step.graph(2).op_names()  # each model's compiled call recorded whole (the draft once per draft step)
     assert names.count("compiled:self.target_layers.forward") == 1 and "compiled:self.draft_layers.forward" in names
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("budget", [2048, 7])
+def test_prefill_is_one_ragged_pass_chunked_only_above_its_token_budget(budget, gen, monkeypatch):
+    # Issue 32: a prompt of L tokens was prefilled k + 1 tokens a pass (L / (k + 1) eager passes of both models);
+    # now every prompt goes in one ragged forward, and only a budget smaller than the prompts chunks it (never
+    # below a step's tokens, max_seqs * (k + 1) = 32 here: those buffers exist anyway).
+    eng = hf.engine("tiny-qwen3", 3, hf.seed_of(gen), prefill_tokens=budget)
+    budget = eng.meta.max_tokens
+    ps = [torch.randint(0, 128, (n,), generator=gen) for n in (13, 9, 12, 11, 7)]
+    total = sum(len(p) for p in ps)
+    passes = []
+    real = eng.run_layers
+    monkeypatch.setattr(eng, "run_layers", lambda tokens, model, *a, **k: passes.append(
+        (model is eng.target_layers, tokens.shape[0])) or real(tokens, model, *a, **k))
+    first = eng.prefill(ps)
+    target = [n for is_target, n in passes if is_target]
+    assert sum(target) == total and max(target) <= budget
+    assert len(target) == (1 if budget >= total else -(-total // budget)), target
+    monkeypatch.undo()
+    want = hf.reference(eng, "tiny-qwen3", ps, 6)
+    assert first.tolist() == [w[0] for w in want]
+    assert [t.tolist() for t in eng.generate(ps, 6).tokens] == want  # both caches filled right: drafts all accepted
+
+
+def test_prefill_tokens_is_checked():
+    # Issue 32: the budget sizes the metadata's token buffers; a bad one is named before anything is built.
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        hf.engine("tiny-llama", 3, 0, prefill_tokens=0)

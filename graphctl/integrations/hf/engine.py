@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -79,13 +80,20 @@ class HFEngine(MTPEngine):
     first; :meth:`build` does both). ``draft_len`` 0 is plain decode (:meth:`decode_step`).
     ``compile=True`` compiles both models' forwards with Inductor (``torch.compile(dynamic=False)``,
     no Inductor CUDA graphs): graphed, the captured graphs hold the fused kernels; a string names
-    another ``torch.compile`` backend (``"aot_eager"``: quick on a CPU)."""
+    another ``torch.compile`` backend (``"aot_eager"``: quick on a CPU). ``prefill_tokens``: the
+    most tokens one prefill forward carries (every prompt in one ragged pass below it; chunked
+    above it), which also sizes the metadata's token buffers (never fewer than a step's
+    ``max_seqs * (draft_len + 1)``)."""
 
     target_layers: Any  # the transformers models (the reference engine's are lists of its own layers)
     draft_layers: Any
 
     def __init__(self, target: Any, draft: Any, *, draft_len: int = 3, block_size: int = 16, max_seqs: int = 8,
-                 max_context: int = 256, spec: StateSpec | None = None, compile: bool | str = False) -> None:
+                 max_context: int = 256, spec: StateSpec | None = None, compile: bool | str = False,
+                 prefill_tokens: int = 2048) -> None:
+        if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int) or prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens: expected a positive int (tokens a prefill pass), found "
+                             f"{prefill_tokens!r}")
         for role, m in (("target", target), ("draft", draft)):
             if not uses_paged_attention(m):
                 raise ValueError(f"the {role} model runs attention {m.config._attn_implementation!r}; build it with "
@@ -113,7 +121,8 @@ class HFEngine(MTPEngine):
 
         self.meta = PagedMetadata(seqs=max_seqs, blocks=blocks, draft_len=max(draft_len, 0),
                                   kv_cache_manager=manager("target", target, 1),
-                                  draft_kv_cache_manager=manager("draft", draft, 2), device=dev)
+                                  draft_kv_cache_manager=manager("draft", draft, 2), device=dev,
+                                  max_tokens=min(prefill_tokens, max_seqs * max_context))
         self.registry = Registry()
         self.registry.register(PagedMetadata, spec or paged_spec(block_size=block_size))
         self.state = bind(self.meta, registry=self.registry)
@@ -184,22 +193,32 @@ class HFEngine(MTPEngine):
                 raise ValueError(f"prompt {i}: token ids must be in [0, {self.cfg.vocab}), found [{lo}, {hi}]")
 
     def prefill(self, prompts: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Every prompt's K/V into both caches, ``k + 1`` tokens a request a pass (ragged: a
-        shorter prompt's request is empty in later passes); each request's first new token."""
+        """Every prompt's K/V into both caches and each request's first new token: one ragged
+        forward of all prompts (tokens packed by request, each attending its own request's keys
+        up to its position), chunked into passes of at most ``prefill_tokens`` (the metadata's
+        token buffers) only above that: a pass takes each request's next tokens in order until
+        the budget is spent."""
         self.check_prompts(prompts)
-        n, m, q = len(prompts), self.meta, self.k + 1
-        lens = torch.tensor([len(p) for p in prompts])
+        n, m = len(prompts), self.meta
+        lens = [len(p) for p in prompts]
+        done = [0] * n
         first = torch.zeros(n, dtype=torch.int64, device=self.device)
-        for c in range(-(-int(lens.max()) // q)):
-            take = (lens - c * q).clamp(0, q)
-            tokens = torch.cat([p[c * q:c * q + int(t)] for p, t in zip(prompts, take)]).to(self.device)
-            m.prepare(self.state, take.to(torch.int32), torch.minimum(lens, torch.full_like(lens, (c + 1) * q)))
-            logits = self.run_layers(tokens, self.target_layers, q, rows=n)  # ragged: tokens packed by request
+        while any(d < ln for d, ln in zip(done, lens)):
+            left, take = m.max_tokens, []
+            for d, ln in zip(done, lens):
+                take.append(min(ln - d, left))
+                left -= take[-1]
+            tokens = torch.cat([p[d:d + t] for p, d, t in zip(prompts, done, take) if t]).to(self.device)
+            done = [d + t for d, t in zip(done, take)]
+            m.prepare(self.state, torch.tensor(take, dtype=torch.int32), torch.tensor(done, dtype=torch.int32))
+            logits = self.run_layers(tokens, self.target_layers, max(take), rows=n)
             with self.state.switch("draft"):
-                self.run_layers(tokens, self.draft_layers, q, rows=n)
-            ends = torch.cumsum(take, 0) - 1
-            done = ((lens > c * q) & (lens <= (c + 1) * q)).nonzero()[:, 0]
-            first[done.to(self.device)] = logits[ends[done].to(self.device)].argmax(-1)
+                self.run_layers(tokens, self.draft_layers, max(take), rows=n)
+            ends = torch.tensor([e - 1 for e in itertools.accumulate(take)])
+            finished = [r for r in range(n) if take[r] and done[r] == lens[r]]
+            if finished:  # the requests whose last prompt token was in this pass
+                idx = torch.tensor(finished)
+                first[idx.to(self.device)] = logits[ends[idx].to(self.device)].argmax(-1)
         return first
 
     def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int,  # type: ignore[override]
