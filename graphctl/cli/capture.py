@@ -320,6 +320,8 @@ def _run(con, args) -> int:
     elif not timed:
         con.print("not timed: emulated graphs re-run every op from Python, so replay vs eager means nothing here "
                   "(--time times them anyway)")
+    con.print("warmup ms (eager runs before each capture, device work included): " +
+              ", ".join(f"bucket {b.bucket} {b.warmup_ms:.1f}" for b in report.buckets))
     con.print(_coverage_table(rows))
     if report.compiled:
         con.print(escape(report.compile_summary))

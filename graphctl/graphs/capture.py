@@ -61,6 +61,7 @@ class Capture:
     # bucket -> dynamo's work: warmup_frames, warmup_graphs, breaks, uncompiled (graphs/compiled.py)
     compile: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
     reach: dict[str, int] = dataclasses.field(default_factory=dict)  # what the walk saw and left out
+    warmup_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # bucket -> its warmups' wall time
 
     @classmethod
     def make(cls, sig: Signature, arguments: dict[str, Any], args: tuple, kwargs: dict, opts: Options,
@@ -219,7 +220,8 @@ class Capture:
     def rows(self) -> tuple[BucketReport, ...]:
         """One report row per bucket (``report()``)."""
         return tuple(BucketReport(b, c.capture_ms, c.graph.pool_bytes, c.graph.node_count, c.replay_us, c.eager_us,
-                                  c.replays, c.segments, c.eager_runs) for b, c in sorted(self.graphs.items()))
+                                  c.replays, c.segments, c.eager_runs, self.warmup_ms.get(b, 0.0))
+                     for b, c in sorted(self.graphs.items()))
 
     def report(self, name: str, opts: Options, fallbacks: dict[str, int], streak: int) -> Report:
         """``runner.report()`` of this capture (``analysis/report.py``)."""

@@ -159,6 +159,7 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
             p.cap.load_example(arguments, b)
             call = p.cap.call_args(arguments, b)
             dynamo = compiled.Counters.now()
+            t_warm = time.perf_counter()
             untracked = None  # a compiled forward's compiled runs: no tracker can watch them (compiled.py)
             for it in range(runs):
                 try:
@@ -180,6 +181,8 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
                 log.warning("graphctl: %s: bucket %d: compiled warmups wrote state the tracked (eager) run did not: "
                             "it cannot be restored: %s", getattr(p.fn, "__qualname__", p.fn), b,
                             "; ".join(e.path for e in late))
+            be.synchronize()
+            p.cap.warmup_ms[b] = (time.perf_counter() - t_warm) * 1e3
             done = compiled.Counters.now().since(dynamo)
             stats[b] = {"warmup_frames": done.frames, "warmup_graphs": done.graphs, "breaks": done.breaks,
                         "uncompiled": 0}

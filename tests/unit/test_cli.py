@@ -30,6 +30,7 @@ def test_builtin_engine_report_json_png_and_dot(capsys, tmp_path):
     for col in ("bucket", "tokens", "pool MiB", "nodes", "replay us", "eager us", "speedup", "verify", "audit"):
         assert col in out, out
     assert "MTPEngine.step (k=3)" in out and "result: clean" in out and "3-4" in out and "bucket 4" in out
+    assert "warmup ms" in out and all(b["warmup_ms"] > 0 for b in json.loads(j.read_text())["report"]["buckets"])
     doc = json.loads(j.read_text())
     assert doc["schema"] == SCHEMA and doc["exit_code"] == 0
     assert [b["bucket"] for b in doc["report"]["buckets"]] == [1, 2, 4]
