@@ -216,7 +216,8 @@ class PagedMetadata:
         forward): lengths and their host mirrors written through ``state`` (derived maps follow),
         tails padded by policy."""
         n = seq_lens.numel()
-        self.host_seq_lens[:n].copy_(seq_lens)
-        self.host_kv_lens[:n].copy_(kv_lens)
+        # lengths kept on the device reach the (pinned) host mirrors asynchronously: no sync a step
+        self.host_seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        self.host_kv_lens[:n].copy_(kv_lens, non_blocking=True)
         state.write_many({"seq_lens": seq_lens.to(self.seq_lens.device, torch.int32),  # maps recomputed once
                           "kv_lens": kv_lens.to(self.kv_lens.device, torch.int32)})

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from unit.test_attention import _case
 
 from graphctl.knobs import knobs
 from graphctl.ops.attention import kernel_for, reference
-from unit.test_attention import _case
 
 pytestmark = pytest.mark.cuda
 pytest.importorskip("triton")

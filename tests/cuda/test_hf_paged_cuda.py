@@ -78,3 +78,27 @@ def test_verify_and_audit_clean_on_cuda(gen):
     audits = f.audit(params=eng.named_tensors())
     findings = [str(x) for a in audits.values() for x in a.findings]
     assert set(audits) == {2, 4, 8} and not findings, findings
+
+
+def test_the_decode_loop_never_waits_for_the_gpu_but_on_last_step_s_copy(gen):
+    # Issue 32: the host read the accepted lengths back with a sync every step and rebuilt lengths on the host;
+    # now lengths advance on the device and results come back one step late through pinned memory: no implicit
+    # synchronization inside the loop (torch's sync debug mode raises on one).
+    eng = engine("tiny-llama", 3, seed_of(gen), device="cuda")
+    ps = prompts(3, gen)
+    step = graphed_step(eng, "unrolled", buckets=(1, 2, 4), backend="cuda")
+    want = [t.tolist() for t in eng.generate(ps, NEW, forward=step).tokens]  # captures and warms everything
+    real = eng.meta.prepare
+
+    def prepare(state, seq_lens, kv_lens):  # the loop's prepares take device lengths; the prefill's host ones
+        if seq_lens.is_cuda:
+            torch.cuda.set_sync_debug_mode("error")
+        real(state, seq_lens, kv_lens)
+
+    eng.meta.prepare = prepare
+    try:
+        got = eng.generate(ps, NEW, forward=step)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        del eng.meta.prepare
+    assert [t.tolist() for t in got.tokens] == want

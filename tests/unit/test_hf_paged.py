@@ -53,7 +53,8 @@ def test_graphed_decode_and_speculative_equal_transformers(bs, gen):
             step = graphed_step(eng, "unrolled", buckets=(1, 2, 4, 8), backend="emulated")
         got = eng.generate(prompts, NEW, forward=step)
         assert [t.tolist() for t in got.tokens] == want, k
-        assert sum(b.replays for b in step.report().buckets) == got.steps
+        # every step replayed, and one more: launched before the last one's results were read (issue 32), dropped
+        assert sum(b.replays for b in step.report().buckets) == got.steps + 1
 
 
 @pytest.mark.parametrize("name,mode,k", [("tiny-llama", m, k) for m in ("unrolled", "per_step") for k in (1, 3, 7)]

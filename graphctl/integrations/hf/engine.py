@@ -231,46 +231,45 @@ class HFEngine(MTPEngine):
             raise ValueError(f"max_new_tokens: expected a positive int, found {max_new_tokens!r}")
         n, k, m = len(prompts), self.k, self.meta
         context = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
-        need = int(context.max()) + max_new_tokens + 2 * k + 2
+        need = int(context.max()) + max_new_tokens + 3 * k + 3  # the step past the last one runs too
         if need > self.cfg.max_context:
             raise ValueError(f"max_context={self.cfg.max_context} too small: prompts up to {int(context.max())} "
-                             f"tokens + {max_new_tokens} new + {2 * k + 2} of speculation need {need}")
+                             f"tokens + {max_new_tokens} new + {3 * k + 3} of speculation need {need}")
         t0 = self._clock()
         token = self.prefill(prompts)
         t1 = self._clock()
         out_tokens: list[list[int]] = [[int(t)] for t in token.tolist()]
         done = [eos_token_id is not None and t[0] == eos_token_id for t in out_tokens]
-        drafts = token[:, None].repeat(1, k)
         history: list[torch.Tensor] = []
         bar = _progress(progress, max_new_tokens)
-        while not all(d or len(t) >= max_new_tokens for d, t in zip(done, out_tokens)):
+        # The bookkeeping stays on the device: lengths advance by the accepted counts there, and each
+        # step's results (accepted, drafts, bonus) go to pinned host memory with one asynchronous copy,
+        # read one step later, while the next step runs. The step after the last one needed runs too
+        # and is dropped (max_context holds its tokens).
+        context = context.to(self.device)
+        seq = torch.full((n,), k + 1, dtype=torch.int32, device=self.device)
+        drafts = token[:, None].repeat(1, k)
+        pending: tuple[torch.Tensor, Any] | None = None
+        while True:
+            m.prepare(self.state, seq, context + k + 1)
             if k == 0:
-                m.prepare(self.state, torch.ones(n, dtype=torch.int32), context + 1)
                 token = (forward or self.decode_step)(token, m).clone()
-                accepted = torch.ones(n, dtype=torch.int64)
-                new = token.cpu()[:, None]
+                accepted = torch.ones_like(token)
+                packed = torch.stack([accepted, token], 1)
             else:
                 ids = torch.cat([token[:, None], drafts], 1).reshape(-1)
-                m.prepare(self.state, torch.full((n,), k + 1, dtype=torch.int32), context + k + 1)
                 out = (forward or self.step)(ids, m)
-                token, drafts = out.bonus.clone(), out.drafts.clone()
-                # one copy to the host (one sync) a step: accepted lengths, this step's drafts, the bonus token
-                host = torch.cat([out.accepted[:, None].to(ids.dtype), ids.view(n, k + 1)[:, 1:], token[:, None]],
-                                 1).cpu()
-                accepted, new = host[:, 0].clone(), host[:, 1:]  # request r emits new[r, :a-1] and the bonus
-            history.append(accepted)
+                token, drafts, accepted = out.bonus.clone(), out.drafts.clone(), out.accepted
+                packed = torch.cat([accepted[:, None].to(ids.dtype), ids.view(n, k + 1)[:, 1:], token[:, None]], 1)
             context = context + accepted.to(torch.int32)
-            for r in range(n):
-                if done[r]:
-                    continue
-                a = int(accepted[r])
-                emitted = new[r, :a - 1].tolist() + [int(new[r, -1])] if k else [int(new[r, 0])]
-                for t in emitted:
-                    if len(out_tokens[r]) < max_new_tokens and not done[r]:
-                        out_tokens[r].append(t)
-                        done[r] = eos_token_id is not None and t == eos_token_id
-            if bar is not None:
-                bar(min(len(t) for t in out_tokens))
+            host = _to_host(packed)
+            if pending is not None:
+                _emit(*pending, k, out_tokens, done, history, max_new_tokens, eos_token_id)
+                if bar is not None:
+                    bar(min(len(t) for t in out_tokens))
+            pending = host
+            if all(d or len(t) >= max_new_tokens for d, t in zip(done, out_tokens)):
+                break
         t2 = self._clock()
         return GenerateResult([torch.tensor(t) for t in out_tokens], history, len(history), t1 - t0, t2 - t1)
 
@@ -279,6 +278,39 @@ class HFEngine(MTPEngine):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+def _to_host(packed: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """``packed`` copied to (pinned) host memory without waiting, and the event that says it landed."""
+    if packed.device.type != "cuda":
+        return packed.cpu(), None
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def _emit(host: torch.Tensor, event: Any, k: int, out_tokens: list[list[int]], done: list[bool],
+          history: list[torch.Tensor], max_new: int, eos: int | None) -> None:
+    """One step's results into each request's tokens: its accepted drafts and the bonus token
+    (plain decode: the token), up to ``max_new`` and through its EOS; done requests take none."""
+    if event is not None:
+        event.synchronize()  # recorded a step ago: usually long done
+    accepted = host[:, 0].clone()
+    history.append(accepted)
+    # row r emits tokens[r, :accepted[r]]: the accepted drafts, then the bonus moved next to them
+    a = accepted.long()
+    tokens = host[:, 1:]  # plain decode: [token]; speculative: [k drafts, bonus]
+    if k:
+        tokens = tokens.clone()
+        tokens.scatter_(1, (a - 1)[:, None], host[:, -1:])
+    for r, (row, n_new) in enumerate(zip(tokens.tolist(), a.tolist())):
+        for t in row[:n_new]:
+            if done[r] or len(out_tokens[r]) >= max_new:
+                break
+            out_tokens[r].append(t)
+            done[r] = eos is not None and t == eos
 
 
 def _compile(*models: Any, backend: str) -> None:
