@@ -19,7 +19,7 @@ def _case(gen: torch.Generator, dtype: torch.dtype, *, H: int, KVH: int, D: int,
     """A ragged batch: R rows of up to ``q_per_row`` tokens at random positions, a dead token or
     two, pages shuffled over a pool with spares, one row's positions past its pages."""
     P = R * B + 3
-    q_tokens, req, pos = [], [], []
+    req, pos = [], []
     for r in range(R):
         n = int(torch.randint(1, q_per_row + 1, (1,), generator=gen))
         start = int(torch.randint(0, B * BS - n + 1, (1,), generator=gen))
