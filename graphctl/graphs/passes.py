@@ -5,9 +5,10 @@
 1. **warmup**, every bucket, largest first: each bucket starts from the caller's state, loads
    the example's first ``min(n, bucket)`` items (padding the state for the bucket), and runs
    the forward eagerly ``warmup_iters`` times under the mutable-buffer guard. Every eager run
-   goes under the side-effect tracker (``graphs/effects.py``): the bucket's first in full
-   (writes, reads, padding taint), later ones for writes only; what they find is restored
-   after every run. Every workspace reaches its high-water mark before any capture, so no
+   goes under the side-effect tracker (``graphs/effects.py``): in full (writes, reads, padding
+   taint) the largest bucket's first run and the first run of each bucket holding padded rows,
+   the others for writes only (the tracker's cost paid once per forward where padding cannot
+   differ); what they find is restored after every run. Every workspace reaches its high-water mark before any capture, so no
    capture records a first-time allocation.
 2. **capture**, largest first into one pool (smaller graphs reuse its blocks), each bucket
    from the caller's state again, segments marked at every switch boundary.
@@ -165,9 +166,11 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
                 try:
                     with p.cap.guard:
                         if it == 0 or not (sites or compiled.is_compiled(p.fn)):
-                            # the first run finds side effects and reads (tracked in full); every later
-                            # eager run too, only its writes (lean): a write may start on any run
-                            given.adopt(_tracked_warmup(p, call, watched, lean=it > 0))
+                            # in full (writes, reads, padding taint): the forward's first run, and the first
+                            # of each bucket with padded rows (only they can index a write with a pad);
+                            # every other eager run for its writes (lean): a write may start on any run
+                            full = it == 0 and (b == order[0] or b > p.cap.n)
+                            given.adopt(_tracked_warmup(p, call, watched, lean=not full))
                         else:
                             if untracked is None:
                                 untracked = p.cap.ledger.digest(watched)

@@ -150,3 +150,26 @@ def test_a_capture_walks_the_objects_twice(backend, device, monkeypatch):
                          progress=False)
     f.capture_all(torch.randn(9, 4).to(device))
     assert len(calls) == 2
+
+
+def test_the_full_tracker_runs_once_per_forward_unless_buckets_hold_padding(backend, device, monkeypatch):
+    # Issue 32: every bucket's first warmup ran under the full tracker (reads, taint: ~8x an eager step on an HF
+    # model); only buckets with padded rows can differ there, the rest need its writes only.
+    from graphctl.graphs import effects
+
+    full = []
+    real = effects.WriteTracker.__init__
+
+    def init(self, watched, exclude, padded=None, lean=False):
+        full.append(not lean)
+        real(self, watched, exclude, padded, lean)
+
+    monkeypatch.setattr(effects.WriteTracker, "__init__", init)
+    eng = _Engine(device, 3)
+    f = graphctl.graphed(eng.forward, buckets=[1, 2, 4, 8], inputs=["x"], backend=backend, progress=False)
+    f.capture_all(torch.randn(8, 4).to(device))  # 8 items: no bucket is padded
+    assert sum(full) == 1 and len(full) == 8, full  # 4 buckets x 2 warmups, all tracked, one in full
+    full.clear()
+    g = graphctl.graphed(eng.forward, buckets=[1, 2, 4, 8], inputs=["x"], backend=backend, progress=False)
+    g.capture_all(torch.randn(3, 4).to(device))  # 3 items: buckets 4 and 8 are padded
+    assert sum(full) == 2, full
