@@ -9,6 +9,11 @@ values TF32 holds exactly; IEEE for float32 caches). A token of no request, or p
 loads nothing and writes zeros. The grid ``(T, KVH)`` depends on shapes only: one launch records
 into a CUDA graph.
 
+Split-K: where ``T x KVH`` programs would leave SMs idle (small batches, long contexts), each
+(token, KV head) pair's keys are split over more programs (:func:`splits_for`, from shapes only,
+so a graph's launch is fixed), each writing its unnormalised sum with its running max and sum,
+combined afterwards with the weights ``exp(m_s - max m)``.
+
 Importing this module imports Triton (``graphctl.ops.attention`` imports it lazily, and falls back
 to the reference where Triton is missing). ``TRITON_INTERPRET=1`` (Triton's own variable, read when
 the kernel is first built) runs it on CPU tensors through Triton's interpreter: the CPU tests
@@ -31,16 +36,20 @@ def _kernel() -> Any:
     """The jitted kernel, built on first use (so ``TRITON_INTERPRET`` set by then applies)."""
 
     @triton.jit
-    def graphctl_paged_attention(Q, K, V, BT, REQ, POS, OUT, scale, rows, n_pages,
-               sq_t, sq_h, sbt_r, so_t, so_h,
-               KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-               BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    def graphctl_paged_attention(Q, K, V, BT, REQ, POS, OUT, M, L, scale, rows, n_pages, chunk,
+                                 sq_t, sq_h, sbt_r, so_t, so_h, so_s,
+                                 KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 IEEE: tl.constexpr, SPLIT: tl.constexpr):
         t = tl.program_id(0)
         kh = tl.program_id(1)
+        sp = tl.program_id(2)
         r = tl.load(REQ + t).to(tl.int64)
         live = (r >= 0) & (r < rows)
         last = tl.minimum(tl.maximum(tl.load(POS + t).to(tl.int64), 0), n_pages * BS - 1)
         n_keys = tl.where(live, last + 1, 0)
+        lo = sp * chunk  # this program's keys: [lo, hi) of the row's first n_keys
+        hi = tl.minimum(lo + chunk, n_keys)
         r = tl.where(live, r, 0)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -53,9 +62,9 @@ def _kernel() -> Any:
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         row_stride = KVH * D  # one slot of one layer's pool: every KV head's D values
-        for start in range(0, n_keys, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < n_keys
+            mask_n = offs_n < hi
             page = tl.load(BT + r * sbt_r + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
             slot = page * BS + offs_n % BS
             kv_off = slot[:, None] * row_stride + kh * D + offs_d[None, :]
@@ -77,16 +86,35 @@ def _kernel() -> Any:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p, v)
             m_i = m_new
-        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-        tl.store(OUT + t * so_t + heads[:, None] * so_h + offs_d[None, :], out.to(OUT.dtype.element_ty),
-                 mask=mask_g[:, None] & mask_d[None, :])
+        out_off = t * so_t + heads[:, None] * so_h + sp * so_s + offs_d[None, :]
+        if SPLIT:  # partial results: the unnormalised sum, its running max and sum (combined by the caller)
+            tl.store(OUT + out_off, acc, mask=mask_g[:, None] & mask_d[None, :])
+            ml_off = (t * KVH * G + heads) * tl.num_programs(2) + sp
+            tl.store(M + ml_off, m_i, mask=mask_g)
+            tl.store(L + ml_off, l_i, mask=mask_g)
+        else:
+            out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+            tl.store(OUT + out_off, out.to(OUT.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
     return graphctl_paged_attention
 
 
+# keys a split program covers at least: below this the partial results cost more than they save
+_MIN_KEYS_A_SPLIT = 256
+
+
+def splits_for(T: int, kvh: int, keys: int, sms: int) -> int:
+    """Programs a (token, KV head) pair's keys are split over: enough to give every SM two
+    programs, none covering fewer than ``_MIN_KEYS_A_SPLIT`` keys. Shapes only: fixed for a graph."""
+    want = -(-2 * sms // max(T * kvh, 1))
+    return max(1, min(want, keys // _MIN_KEYS_A_SPLIT))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    req_idx: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """Launch the kernel (arguments as ``graphctl.ops.attention.paged_attention``'s, checked there)."""
+                    req_idx: torch.Tensor, positions: torch.Tensor, scale: float,
+                    splits: int | None = None) -> torch.Tensor:
+    """Launch the kernel (arguments as ``graphctl.ops.attention.paged_attention``'s, checked there);
+    ``splits``: programs a token's keys are split over (default :func:`splits_for` this device)."""
     T, H, D = q.shape
     kvh, bs = k_cache.shape[-1] // D, k_cache.shape[1]
     g = H // kvh
@@ -95,11 +123,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if T == 0:
         return out
     bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    keys = bt.shape[1] * bs
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        splits = splits_for(T, kvh, keys, sms)
     # tl.dot needs every dimension >= 16; key blocks of 64 (a page of 16 read four at a time)
     block_g, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(D))
     block_n = 64 if block_d <= 128 else 32
-    _kernel()[(T, kvh)](q, k_cache, v_cache, bt, req_idx, positions, out, float(scale), bt.shape[0], bt.shape[1],
-                        q.stride(0), q.stride(1), bt.stride(0), out.stride(0), out.stride(1),
-                        KVH=kvh, G=g, D=D, BS=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-                        IEEE=q.dtype == torch.float32)
-    return out
+    chunk = -(-keys // splits)
+    chunk = -(-chunk // block_n) * block_n  # whole key blocks a split
+    splits = -(-keys // chunk)
+    meta = dict(KVH=kvh, G=g, D=D, BS=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+                IEEE=q.dtype == torch.float32, SPLIT=splits > 1)
+    if splits == 1:
+        _kernel()[(T, kvh, 1)](q, k_cache, v_cache, bt, req_idx, positions, out, out, out, float(scale), bt.shape[0],
+                               bt.shape[1], chunk, q.stride(0), q.stride(1), bt.stride(0), out.stride(0),
+                               out.stride(1), 0, **meta)
+        return out
+    part = torch.empty((T, H, splits, D), dtype=torch.float32, device=q.device)
+    m = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
+    lse = torch.empty_like(m)
+    _kernel()[(T, kvh, splits)](q, k_cache, v_cache, bt, req_idx, positions, part, m, lse, float(scale),
+                                bt.shape[0], bt.shape[1], chunk, q.stride(0), q.stride(1), bt.stride(0),
+                                part.stride(0), part.stride(1), part.stride(2), **meta)
+    # combine the splits: weights exp(m_s - max m) (a split with no keys has m = -inf: weight 0)
+    top = m.amax(2, keepdim=True)
+    w = torch.where(torch.isfinite(m), torch.exp(m - torch.where(torch.isfinite(top), top, 0.0)), 0.0)
+    total = (w * lse).sum(2, keepdim=True)
+    combined = (w[..., None] * part).sum(2) / torch.where(total > 0, total, 1.0)
+    return out.copy_(combined)
