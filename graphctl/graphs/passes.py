@@ -8,8 +8,8 @@
    goes under the side-effect tracker (``graphs/effects.py``): in full (writes, reads, padding
    taint) the largest bucket's first run and the first run of each bucket holding padded rows,
    the others for writes only (the tracker's cost paid once per forward where padding cannot
-   differ); what they find is restored after every run. Every workspace reaches its high-water mark before any capture, so no
-   capture records a first-time allocation.
+   differ); what they find is restored after every run. Every workspace reaches its high-water
+   mark before any capture, so no capture records a first-time allocation.
 2. **capture**, largest first into one pool (smaller graphs reuse its blocks), each bucket
    from the caller's state again, segments marked at every switch boundary.
 
