@@ -221,3 +221,24 @@ def test_prefill_tokens_is_checked():
     # Issue 32: the budget sizes the metadata's token buffers; a bad one is named before anything is built.
     with pytest.raises(ValueError, match="prefill_tokens"):
         hf.engine("tiny-llama", 3, 0, prefill_tokens=0)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_lengths_advanced_on_the_device_equal_the_host_path(k, gen):
+    # Issue 32: the loop advanced lengths on the host from accepted counts read back every step; now the device
+    # adds them. Each step must see kv_lens = prompt + every earlier step's accepted count + this step's tokens.
+    eng = hf.engine("tiny-qwen3", k, hf.seed_of(gen))
+    ps = hf.prompts(4, gen)
+    seen = []
+
+    def forward(ids, meta):
+        seen.append(meta.kv_lens[:len(ps)].clone())
+        return (eng.decode_step if k == 0 else eng.step)(ids, meta)
+
+    got = eng.generate(ps, 8, forward=forward)
+    context = torch.tensor([len(p) for p in ps], dtype=torch.int32)
+    assert len(seen) == got.steps + 1  # the step past the last one ran, dropped
+    for step, kv in enumerate(seen[:got.steps]):
+        assert torch.equal(kv, context + k + 1), (step, kv, context)
+        context = context + got.accepted[step].to(torch.int32)
+    assert [t.tolist() for t in got.tokens] == hf.reference(eng, "tiny-qwen3", ps, 8)
