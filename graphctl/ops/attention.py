@@ -25,6 +25,7 @@ lengths and tables the step wrote.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -99,13 +100,31 @@ def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table
 
 
 @paged_attention.register_kernel("cuda")
-def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-      req_idx: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+def cuda_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                req_idx: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """The op on CUDA: the kernel ``kernel_for`` picks; under ``auto``, a Triton that fails to build
+    it on its first launch leaves the reference for good (said once in the log)."""
     _check(q, k_cache, v_cache, block_table, req_idx, positions)
-    return kernel_for(q)(q, k_cache, v_cache, block_table, req_idx, positions, scale)
+    kernel = kernel_for(q)
+    if kernel is reference or _TRITON.get("ran"):
+        return kernel(q, k_cache, v_cache, block_table, req_idx, positions, scale)
+    try:  # the first launch compiles the kernel for this GPU
+        out = kernel(q, k_cache, v_cache, block_table, req_idx, positions, scale)
+    except Exception as exc:
+        if knobs.paged_attention == "triton" or not type(exc).__module__.startswith("triton"):
+            raise
+        # auto: a Triton that cannot build the kernel here leaves the reference, said once
+        _TRITON.pop("kernel", None)
+        _TRITON["why"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        log.warning("graphctl: the Triton paged-attention kernel does not build here (%s); using the reference "
+                    "(GRAPHCTL_PAGED_ATTENTION=reference says so explicitly)", _TRITON["why"])
+        return reference(q, k_cache, v_cache, block_table, req_idx, positions, scale)
+    _TRITON["ran"] = True
+    return out
 
 
-_TRITON: dict[str, object] = {}  # "kernel" -> the Triton launcher, or "why" -> the reason there is none
+# "kernel" -> the Triton launcher, or "why" -> the reason there is none; "ran" once it launched
+_TRITON: dict[str, Any] = {}
 
 
 def kernel_for(q: torch.Tensor):  # noqa: ANN201 - one of two callables of the op's signature

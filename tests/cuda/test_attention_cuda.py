@@ -7,7 +7,7 @@ import pytest
 import torch
 from unit.test_attention import _case
 
-from graphctl.knobs import knobs
+from graphctl import knobs
 from graphctl.ops.attention import kernel_for, reference
 
 pytestmark = pytest.mark.cuda

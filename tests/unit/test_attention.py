@@ -148,3 +148,32 @@ def test_splits_depend_on_shapes_only_and_keep_a_minimum_of_keys():
     assert at.splits_for(32, 8, 2048, 132) == 2
     assert at.splits_for(64, 8, 2048, 132) == 1
     assert at.splits_for(1, 8, 200, 132) == 1  # too few keys to split
+
+
+def test_a_triton_that_cannot_build_the_kernel_falls_back_once_under_auto_and_raises_under_triton(gen, monkeypatch,
+                                                                                                 caplog):
+    # Issue 32: the kernel is built on the first CUDA launch; where Triton cannot build it, auto must not take the
+    # model down with it (the reference serves, said once), while GRAPHCTL_PAGED_ATTENTION=triton is loud.
+    import logging
+
+    from graphctl import knobs
+    from graphctl.ops import attention
+
+    class CompilationError(Exception):
+        __module__ = "triton.compiler.errors"
+
+    def broken(*args):
+        raise CompilationError("at 12:8: unsupported")
+
+    case = _case(gen, torch.float32, H=4, KVH=2, D=8, BS=4, B=3, R=3, q_per_row=2)
+    monkeypatch.setattr(attention, "_TRITON", {"kernel": broken})
+    monkeypatch.setattr(attention, "kernel_for", lambda q: attention._TRITON.get("kernel", attention.reference))
+    with knobs.scope(paged_attention="triton"), pytest.raises(CompilationError):
+        attention.cuda_kernel(*case)
+    with caplog.at_level(logging.WARNING, logger="graphctl"):
+        got = attention.cuda_kernel(*case)
+        again = attention.cuda_kernel(*case)
+    torch.testing.assert_close(got, reference(*case))
+    torch.testing.assert_close(again, reference(*case))
+    assert sum("does not build here" in r.getMessage() for r in caplog.records) == 1
+    assert "CompilationError" in attention._TRITON["why"] and "kernel" not in attention._TRITON
