@@ -67,11 +67,12 @@ def _hf_models(eng: HFEngine, name: str, device: str):
     return target.eval(), draft.eval()
 
 
-def _hf_decode_tps(fn, bs: int, new: int, reps: int) -> float:
-    """Decode tokens/s of a transformers generate call ``fn(max_new_tokens)``: a run of ``new``
-    tokens minus a run of 1 (the prefill), median of ``reps``."""
+def _hf_decode_tps(fn, bs: int, new: int, reps: int) -> tuple[float, float]:
+    """(decode tokens/s, prefill ms) of a transformers generate call ``fn(max_new_tokens)``: a run
+    of ``new`` tokens minus a run of 1 (the prefill, whose time is the second value), medians of
+    ``reps``."""
     fn(2)
-    samples = []
+    samples, first = [], []
     for _ in range(reps):
         t0 = _sync()
         fn(1)
@@ -79,17 +80,19 @@ def _hf_decode_tps(fn, bs: int, new: int, reps: int) -> float:
         fn(new)
         t2 = _sync()
         samples.append((t2 - t1) - (t1 - t0))
-    return bs * (new - 1) / statistics.median(samples)
+        first.append(1e3 * (t1 - t0))
+    return bs * (new - 1) / statistics.median(samples), statistics.median(first)
 
 
-def _graphctl_tps(eng: HFEngine, ps, new: int, forward, reps: int) -> tuple[float, float, float]:
-    """(decode tokens/s, ms a step, mean accepted) of ``eng.generate`` through ``forward``, from
-    its own decode timing (prefill excluded), median of ``reps`` runs."""
+def _graphctl_tps(eng: HFEngine, ps, new: int, forward, reps: int) -> tuple[float, float, float, float]:
+    """(decode tokens/s, ms a step, mean accepted, prefill ms) of ``eng.generate`` through
+    ``forward``, from its own timing (decode excludes the prefill), medians of ``reps`` runs."""
     eng.generate(ps, min(new, 8), forward=forward)  # capture and warm up
     runs = [eng.generate(ps, new, forward=forward) for _ in range(reps)]
     res = sorted(runs, key=lambda r: r.decode_s)[len(runs) // 2]
     toks = sum(len(t) for t in res.tokens) - len(ps)  # the prefill's first token is not decode's
-    return toks / res.decode_s, 1e3 * res.decode_s / max(res.steps, 1), res.mean_accepted
+    prefill = 1e3 * statistics.median(r.prefill_s for r in runs)
+    return toks / res.decode_s, 1e3 * res.decode_s / max(res.steps, 1), res.mean_accepted, prefill
 
 
 def _hand_step(eng: HFEngine, n: int):
@@ -187,11 +190,18 @@ def _graphctl_variant(row: dict, eng: HFEngine, ps, buckets, args, g: torch.Gene
     if k == 0:
         fwd = graphctl.graphed(eng.decode_step, buckets=buckets, state=eng.state, inputs=[StaticInput(
             "input_ids")], progress=False, params=eng.named_tensors())
-        row["d_graphctl_decode_tps"], row["d_ms_per_step"], _ = _graphctl_tps(eng, ps, args.new, fwd, args.reps)
+        tps, ms, _, row["ttft_ms"] = _graphctl_tps(eng, ps, args.new, fwd, args.reps)
+        row["d_graphctl_decode_tps"], row["d_ms_per_step"] = tps, ms
         row["d_uncompiled"] = fwd.report().uncompiled  # compiled frames that ran uncompiled in a capture
+        ids = torch.randint(0, eng.cfg.vocab, (bs,), generator=g).to(eng.device)
+        eng.meta.prepare(eng.state, torch.ones(bs, dtype=torch.int32),
+                         torch.full((bs,), args.prompt + 1, dtype=torch.int32))
+        row["d_graphed_step_ms"] = _step_ms({"graphctl": lambda: fwd(ids, eng.meta)})["graphctl"]
+        # what generate adds between two graphed steps: its host work while the device idles
+        row["d_host_gap_ms"] = ms - row["d_graphed_step_ms"]
         return
     fwd = graphed_step(eng, "unrolled", buckets=buckets)
-    tps, ms, acc = _graphctl_tps(eng, ps, args.new, fwd, args.reps)
+    tps, ms, acc, _ = _graphctl_tps(eng, ps, args.new, fwd, args.reps)
     row[f"e{k}_graphctl_spec_tps"], row[f"e{k}_ms_per_step"], row[f"e{k}_mean_accepted"] = tps, ms, acc
     row[f"e{k}_uncompiled"] = fwd.report().uncompiled
     ids = torch.randint(0, eng.cfg.vocab, (bs * (k + 1),), generator=g).to(eng.device)
@@ -203,6 +213,7 @@ def _graphctl_variant(row: dict, eng: HFEngine, ps, buckets, args, g: torch.Gene
         fns["hand"] = lambda: hand(ids)
     ms_by = _step_ms(fns)
     row[f"e{k}_graphctl_step_ms"] = ms_by["graphctl"]
+    row[f"e{k}_host_gap_ms"] = ms - ms_by["graphctl"]
     if cuda:
         row[f"f{k}_hand_step_ms"] = ms_by["hand"]
         row[f"e{k}_over_hand"] = ms_by["graphctl"] / ms_by["hand"]
@@ -250,11 +261,13 @@ def run(args, head: dict) -> list[dict]:
                              min_new_tokens=n_new, do_sample=False, pad_token_id=0, **kw)
 
         if "a" in args.paths:
-            row["a_hf_eager_tps"] = _hf_decode_tps(hf, bs, args.new, args.reps)
+            row["a_hf_eager_tps"], row["a_hf_prefill_ms"] = _hf_decode_tps(hf, bs, args.new, args.reps)
+            if "ttft_ms" in row:  # time to first token: graphctl's one ragged pass vs transformers' eager
+                row["ttft_over_a"] = row["ttft_ms"] / row["a_hf_prefill_ms"]
         if bs == 1 and "b" in args.paths:
             try:
-                row["b_hf_assisted_tps"] = _hf_decode_tps(lambda n: hf(n, assistant_model=drf), bs, args.new,
-                                                          args.reps)
+                row["b_hf_assisted_tps"], _ = _hf_decode_tps(lambda n: hf(n, assistant_model=drf), bs, args.new,
+                                                             args.reps)
             except Exception as exc:  # recorded, not hidden
                 row["b_hf_assisted_error"] = f"{type(exc).__name__}: {exc}"[:300]
         if cuda and "c" in args.paths:
@@ -268,7 +281,7 @@ def run(args, head: dict) -> list[dict]:
                 t0 = time.perf_counter()
                 hf(2, cache_implementation="static")
                 row["c_first_call_s"] = time.perf_counter() - t0  # compiles and captures
-                row["c_hf_static_compiled_tps"] = _hf_decode_tps(
+                row["c_hf_static_compiled_tps"], _ = _hf_decode_tps(
                     lambda n: hf(n, cache_implementation="static"), bs, args.new, args.reps)
             except Exception as exc:
                 row["c_hf_static_compiled_error"] = f"{type(exc).__name__}: {exc}"[:300]
