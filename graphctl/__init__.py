@@ -17,7 +17,7 @@ from graphctl.errors import (
                              StaleBufferError,
                              SwitchError,
 )
-from graphctl.graphs import CaptureTarget, GraphRunner, Report, StaticInput, graphed
+from graphctl.graphs import CaptureTarget, GraphRunner, Report, StaticInput, VariantRunner, graphed
 from graphctl.state import (
                              BoundState,
                              CopyInPlace,
@@ -40,6 +40,7 @@ __all__ = [
     "Swap", "CopyInPlace", "Recompute", "OpCall", "Stable", "Persistent", "Pad",
     "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError", "ConcurrentUseError",
     "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
-    "RepointError", "OutputsHeldWarning", "graphed", "GraphRunner", "StaticInput", "Report", "CaptureTarget",
+    "RepointError", "OutputsHeldWarning", "graphed", "GraphRunner", "VariantRunner", "StaticInput", "Report",
+    "CaptureTarget",
     "knobs", "ops", "__version__",
 ]

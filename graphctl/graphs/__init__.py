@@ -11,7 +11,9 @@ from graphctl.graphs.decorator import graphed
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
 from graphctl.graphs.runner import GraphRunner
 from graphctl.graphs.target import CaptureTarget
+from graphctl.graphs.variants import Variant, VariantRunner
 
 __all__ = ["Audit", "Finding", "audit_graph", "Node", "Ref", "Region", "BACKENDS", "DEFAULT_BUCKETS", "SCHEMA",
            "BucketReport", "Buckets", "CaptureTarget", "GraphBackend", "GraphRunner", "Report", "Segment",
-           "StaticInput", "Mismatch", "VerifyResult", "graphed", "select_backend", "unsupported_reasons"]
+           "StaticInput", "Mismatch", "Variant", "VariantRunner", "VerifyResult", "graphed", "select_backend",
+           "unsupported_reasons"]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Iterable
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -26,18 +28,29 @@ class StaticInput:
     """A forward argument copied into a static buffer before every replay.
 
     ``per_item`` rows along ``dim`` belong to one batch item (``k + 1`` tokens per request in
-    a target forward); ``pad`` fills ``[rows:bucket_rows]`` (zero by default: a valid index)."""
+    a target forward); ``pad`` fills ``[rows:bucket_rows]`` (zero by default: a valid index).
+    Under ``variants=`` the rows per item may be a function of the variant arguments it names:
+    ``per_item_of=lambda k: k + 1`` (or ``per_item=`` a function, moved there), resolved once per
+    variant (:meth:`resolved`); until then ``per_item`` reads 1."""
 
     name: str
     per_item: int = 1
     dim: int = 0
     pad: Pad = Pad.zero()
+    per_item_of: Callable[..., int] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise DeclarationError("StaticInput needs an argument name", expected="a non-empty str", found=self.name,
                                    fix="write StaticInput('input_ids')")
-        if not isinstance(self.per_item, int) or self.per_item < 1:
+        if callable(self.per_item):  # per_item=lambda k: k + 1: the function is per_item_of
+            object.__setattr__(self, "per_item_of", self.per_item)
+            object.__setattr__(self, "per_item", 1)
+        if self.per_item_of is not None and not callable(self.per_item_of):
+            raise DeclarationError("StaticInput.per_item_of must be a function of variant arguments", buffer=self.name,
+                                   expected="e.g. lambda k: k + 1", found=repr(self.per_item_of),
+                                   fix="pass per_item_of=lambda k: k + 1 (with variants={'k': ...})")
+        if not isinstance(self.per_item, int) or isinstance(self.per_item, bool) or self.per_item < 1:
             raise DeclarationError("StaticInput.per_item must be a positive int", buffer=self.name,
                                    expected="an int >= 1", found=self.per_item,
                                    fix="rows per batch item along dim, e.g. k + 1 tokens per request")
@@ -48,6 +61,24 @@ class StaticInput:
     @classmethod
     def of(cls, spec: str | StaticInput) -> StaticInput:
         return spec if isinstance(spec, StaticInput) else cls(spec)
+
+    def resolved(self, values: Mapping[str, Any]) -> StaticInput:
+        """This input for one variant: a callable ``per_item`` called with the variant values its
+        parameters name (every one under ``**kwargs``); an int ``per_item`` as it is."""
+        fn = self.per_item_of
+        if fn is None:
+            return self
+        params = inspect.signature(fn).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            given = dict(values)
+        else:
+            missing = [n for n, p in params.items() if n not in values and p.default is p.empty]
+            if missing:
+                raise DeclarationError("per_item names an argument that is no variant", buffer=self.name,
+                                       expected=f"parameters among the variants {sorted(values)}", found=missing,
+                                       fix="name variant arguments only, e.g. per_item=lambda k: k + 1")
+            given = {n: values[n] for n in params if n in values}
+        return dataclasses.replace(self, per_item=fn(**given), per_item_of=None)
 
     def allocate(self, example: torch.Tensor, max_bucket: int) -> torch.Tensor:
         """The static buffer: ``example``'s dtype, device and other dims; ``max_bucket`` items."""

@@ -17,9 +17,23 @@ from graphctl.graphs.effects import POLICIES
 from graphctl.graphs.hoststate import HOST_POLICIES
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
 
-__all__ = ["Options", "FALLBACKS"]
+__all__ = ["Options", "FALLBACKS", "VariantValues", "SharedPool"]
 
 FALLBACKS = ("error", "eager")
+# a variant argument's values: (value, its own buckets or None), per argument name, in declared order
+VariantValues = tuple[tuple[str, tuple[tuple[Any, tuple[int, ...] | None], ...]], ...]
+_HOST = (int, str, bool, type(None))  # a variant value: one of these, or a small tuple of them
+_MAX_TUPLE = 8
+
+
+class SharedPool:
+    """One graph memory pool handed to several runners (a variant runner's): the first capture
+    makes it on its backend, the others capture into it."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self) -> None:
+        self.handle: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +57,10 @@ class Options:
     (``graphs/effects.py``). ``host_state``: host values warmups change (``graphs/hoststate.py``).
     ``copy_outputs``: fresh tensors per call instead of views (``graphs/stale.py``).
     ``check_paths``: re-resolve before each replay the paths to tensors the forward reached
-    (``graphs/rebinding.py``; ``None``: as ``GRAPHCTL_CHECK_PATHS`` says at each call)."""
+    (``graphs/rebinding.py``; ``None``: as ``GRAPHCTL_CHECK_PATHS`` says at each call).
+    ``variants``: argument name -> the host values to capture a graph set for (a sequence, or a
+    mapping value -> its own buckets); several names form the product (``graphs/variants.py``).
+    ``pool``: set by a variant runner for its per-variant runners (one pool), not by users."""
 
     buckets: Buckets
     state: Any = None  # a BoundState, an object to bind, or (decorated method) an attribute name
@@ -60,6 +77,8 @@ class Options:
     host_state: str = "warn"
     copy_outputs: bool = False
     check_paths: bool | None = None  # None: GRAPHCTL_CHECK_PATHS decides at each call
+    variants: VariantValues | None = None
+    pool: SharedPool | None = None
 
     @staticmethod
     def named(where: str, given: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -75,7 +94,7 @@ class Options:
            pad_axes: Mapping[str, int] | None = None, warmup_iters: int = 2, progress: bool | None = None,
            params: Any = None, group: Any = None, side_effects: str = "restore",
            max_side_effect_bytes: int | None = None, host_state: str = "warn", copy_outputs: bool = False,
-           check_paths: bool | None = None) -> Options:
+           check_paths: bool | None = None, variants: Mapping[str, Any] | None = None) -> Options:
         """The record, every option checked (a ``DeclarationError`` naming the first bad one)."""
         _one_of("fallback", fallback, FALLBACKS, "fallback='eager' runs unservable batches eagerly (logged); "
                                                  "'error' raises")
@@ -102,13 +121,69 @@ class Options:
             raise DeclarationError("pad_axes maps a state axis to rows per batch item",
                                    expected="e.g. {'seq': 1, 'token': 4}", found=repr(pad_axes),
                                    fix="name each axis (str) with a positive int")
-        return cls(Buckets(buckets), state, None if inputs is None else tuple(StaticInput.of(i) for i in inputs),
-                   backend, fallback, None if pad_axes is None else dict(pad_axes), warmup_iters, progress, params,
-                   group, side_effects, max_side_effect_bytes, host_state, bool(copy_outputs), check_paths)
+        ins = None if inputs is None else tuple(StaticInput.of(i) for i in inputs)
+        vs = None if variants is None else _variants(variants)
+        for si in ins or () if vs is None else ():
+            if si.per_item_of is not None:
+                raise DeclarationError("per_item is a function but the runner has no variants", buffer=si.name,
+                                       expected="an int, or variants= naming its arguments",
+                                       found=repr(si.per_item_of), fix="pass per_item=k + 1, or variants={'k': (...)}")
+        return cls(Buckets(buckets), state, ins, backend, fallback, None if pad_axes is None else dict(pad_axes),
+                   warmup_iters, progress, params, group, side_effects, max_side_effect_bytes, host_state,
+                   bool(copy_outputs), check_paths, vs)
 
 
 def _names() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(Options))
+    return tuple(f.name for f in dataclasses.fields(Options) if f.name != "pool")
+
+
+def _host_value(v: Any) -> bool:
+    if isinstance(v, tuple):
+        return len(v) <= _MAX_TUPLE and all(isinstance(x, _HOST) for x in v)
+    return isinstance(v, _HOST)
+
+
+def _variants(given: Any) -> VariantValues:
+    """``variants=`` checked and normalised (see :class:`Options`)."""
+    fix = "pass variants={'k': (1, 3, 7)} or {'k': {1: [1, 2, 4], 3: [1, 2]}}"
+    if not isinstance(given, Mapping) or not given:
+        raise DeclarationError("variants maps argument names to the values to capture",
+                               expected="a non-empty mapping", found=repr(given), fix=fix)
+    out = []
+    for name, values in given.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise DeclarationError("a variant is named by a forward argument", expected="an argument name (str)",
+                                   found=repr(name), fix=fix)
+        per = values.items() if isinstance(values, Mapping) else \
+            ((v, None) for v in values) if isinstance(values, (list, tuple, set, frozenset, range)) else None
+        if per is None:
+            raise DeclarationError("a variant lists its values", buffer=name, expected="a sequence or value -> buckets",
+                                   found=repr(values), fix=fix)
+        seen: list[tuple[Any, tuple[int, ...] | None]] = []
+        keys: set[Any] = set()
+        for v, bk in per:
+            if not _host_value(v):
+                raise DeclarationError("a variant value must be a hashable host value", buffer=name,
+                                       expected=f"int, bool, str, None, or a tuple of up to {_MAX_TUPLE} of these",
+                                       found=f"{type(v).__name__} {v!r}"[:120],
+                                       fix="key graphs on host values; pass tensors as static inputs")
+            if variant_key(v) in keys:
+                raise DeclarationError("a variant value is listed twice", buffer=name, expected="distinct values",
+                                       found=repr(v), fix="list each value once")
+            keys.add(variant_key(v))
+            seen.append((v, None if bk is None else Buckets(bk).sizes))
+        if not seen:
+            raise DeclarationError("a variant lists no value", buffer=name, expected="at least one value",
+                                   found=repr(values), fix=fix)
+        out.append((name, tuple(seen)))
+    return tuple(out)
+
+
+def variant_key(v: Any) -> Any:
+    """A value's lookup key: its type too, so ``True`` and ``1`` (equal in Python) are two variants."""
+    if isinstance(v, tuple):
+        return tuple(variant_key(x) for x in v)
+    return (type(v), v)
 
 
 def _one_of(what: str, value: Any, allowed: Sequence[str], fix: str) -> None:

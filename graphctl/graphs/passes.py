@@ -202,7 +202,10 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
         # what warmup allocated and kept is library state (cuBLAS workspaces): the audit's "workspace"
         workspaces = tuple(Region(f"warmup allocation of {n} B", "workspace", a, a + n)
                            for a, n in sorted(be.live_blocks() - before))
-        pool = be.new_pool()
+        shared = p.opts.pool  # a variant runner's: every variant captures into one pool
+        pool = shared.handle if shared is not None and shared.handle is not None else be.new_pool()
+        if shared is not None:
+            shared.handle = pool
         t_start = time.perf_counter()
         for b in order:  # pass 2: largest first, so smaller graphs reuse its pool blocks
             given.restore()

@@ -213,14 +213,30 @@ class PerStepLoop:
 
 
 def graphed_step(eng: MTPEngine, mode: str = "unrolled", *, buckets: Sequence[int] = (1, 2, 4, 8),
-                 backend: str = "auto", threshold: float = 0.0) -> Any:
+                 backend: str = "auto", threshold: float = 0.0, draft_lens: Sequence[int] | None = None) -> Any:
     """A callable like ``eng.step`` (``(input_ids, meta) -> StepOutput``) graphed in ``mode``;
     ``threshold`` is the device loop's confidence threshold (``device_loop`` only; the returned
     runner's ``dynamic`` is its :class:`DynamicDraft`, whose ``set_threshold`` changes it without
-    recapture). The engine's weights and caches (and the loop's buffers) are the audit's params."""
+    recapture). The engine's weights and caches (and the loop's buffers) are the audit's params.
+    ``draft_lens`` (``unrolled`` only): one runner serving every listed draft length ``k`` (each
+    at most the engine's ``draft_len``) from its own graphs in one pool, called
+    ``(input_ids, meta, k)`` (a :class:`~graphctl.graphs.variants.VariantRunner`)."""
     if mode not in MODES:
         raise DeclarationError("unknown draft-loop mode", expected=" / ".join(MODES), found=mode,
                                fix="unrolled (one graph), per_step (one graph per step) or device_loop (WHILE node)")
+    if draft_lens is not None:
+        if mode != "unrolled":
+            raise DeclarationError("draft_lens needs mode='unrolled'", expected="unrolled", found=mode,
+                                   fix="capture one runner per draft length in this mode")
+        for k in draft_lens:
+            try:
+                eng.draft_len(k)
+            except ValueError as exc:
+                raise DeclarationError("a draft length the engine cannot hold", buffer="k",
+                                       expected=f"1 <= k <= {eng.k}", found=repr(k), fix=str(exc)) from None
+        return graphed(eng.step, buckets=list(buckets), state=eng.state, backend=backend, progress=False,
+                       inputs=[StaticInput("input_ids", per_item_of=lambda k: k + 1)], params=eng.named_tensors(),
+                       variants={"k": tuple(draft_lens)})
     inputs = [StaticInput("input_ids", per_item=eng.k + 1)]
     if mode == "unrolled":
         return graphed(eng.step, buckets=list(buckets), state=eng.state, backend=backend, inputs=inputs,

@@ -145,16 +145,28 @@ class MTPEngine:
             x = x + y
         return torch.nn.functional.rms_norm(x, (x.shape[-1],)) @ self.lm_head
 
-    def step(self, input_ids: torch.Tensor, meta: PagedMetadata) -> StepOutput:
-        """One decode step for ``n = len(input_ids) / (k + 1)`` requests (see the module doc)."""
-        accepted, bonus = self.target_and_accept(input_ids)
+    def draft_len(self, k: int | None) -> int:
+        """``k`` checked against the engine's buffers (``None``: the engine's own draft length).
+        Any ``1 <= k <= draft_len`` fits them; a graphed step makes ``k`` a variant."""
+        if k is None:
+            return self.k
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.k:
+            raise ValueError(f"draft length k={k!r}: this engine's buffers hold 1 <= k <= {self.k} "
+                             f"(build it with a larger draft_len for more)")
+        return k
+
+    def step(self, input_ids: torch.Tensor, meta: PagedMetadata, k: int | None = None) -> StepOutput:
+        """One decode step for ``n = len(input_ids) / (k + 1)`` requests (see the module doc);
+        ``k`` drafts a request (default: the engine's ``draft_len``, the most its buffers hold)."""
+        k = self.draft_len(k)
+        accepted, bonus = self.target_and_accept(input_ids, k)
         with self.state.switch("draft"):
-            drafts = self.draft_loop(input_ids, accepted, bonus, self.state.write)
+            drafts = self.draft_loop(input_ids, accepted, bonus, self.state.write, k)
         return StepOutput(accepted, bonus, drafts)
 
-    def target_and_accept(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def target_and_accept(self, input_ids: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Target forward and greedy acceptance: accepted lengths and bonus tokens, on the device."""
-        k = self.k
+        k = self.draft_len(k)
         n = input_ids.shape[0] // (k + 1)
         best = self.run_layers(input_ids, self.target_layers, k + 1).argmax(-1).view(n, k + 1)
         drafts_in = input_ids.view(n, k + 1)[:, 1:]
@@ -162,27 +174,30 @@ class MTPEngine:
         return accepted, best.gather(1, (accepted - 1)[:, None])[:, 0]
 
     def draft_loop(self, input_ids: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor,
-                   write: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
+                   write: Callable[[str, torch.Tensor], None], k: int | None = None) -> torch.Tensor:
         """The draft loop, run in the draft role: ``write(name, value)`` changes the layout
         (``state.write`` here; a hand-written switch passes its own)."""
-        base = self.draft_begin(input_ids, accepted, write)
+        k = self.draft_len(k)
+        base = self.draft_begin(input_ids, accepted, write, k)
         token, proposals = bonus, []
-        for i in range(self.k):
+        for i in range(k):
             token = self.draft_step(token, self.draft_kv_lens(base, i), write).argmax(-1)
             proposals.append(token)
         return torch.stack(proposals, 1)
 
     def draft_begin(self, input_ids: torch.Tensor, accepted: torch.Tensor,
-                    write: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
+                    write: Callable[[str, torch.Tensor], None], k: int | None = None) -> torch.Tensor:
         """The step's k+1 tokens into the draft KV cache, then the layout of one token a
         request; returns each request's ``kv_lens`` for the first draft step (the bonus token
         sits at context + accepted)."""
-        self.run_layers(input_ids, self.draft_layers, self.k + 1)
-        return self.draft_layout(accepted, write)
+        k = self.draft_len(k)
+        self.run_layers(input_ids, self.draft_layers, k + 1)
+        return self.draft_layout(accepted, write, k)
 
-    def draft_layout(self, accepted: torch.Tensor, write: Callable[[str, torch.Tensor], None]) -> torch.Tensor:
+    def draft_layout(self, accepted: torch.Tensor, write: Callable[[str, torch.Tensor], None],
+                     k: int | None = None) -> torch.Tensor:
         """One token a request from here on; returns the first draft step's ``kv_lens``."""
-        k, meta = self.k, self.meta
+        k, meta = self.draft_len(k), self.meta
         n = accepted.shape[0]
         kv = meta.kv_lens[:n]
         base = torch.where(kv > 0, kv - (k + 1) + accepted + 1, 0)  # a padded request (kv_lens 0) stays empty
@@ -227,12 +242,17 @@ class MTPEngine:
         lens = torch.randint(lo, hi, (n,), generator=gen)
         return [torch.randint(0, self.cfg.vocab, (int(L),), generator=gen) for L in lens]
 
-    def generate(self, prompts: Sequence[torch.Tensor], steps: int, forward=None) -> list[torch.Tensor]:
+    def generate(self, prompts: Sequence[torch.Tensor], steps: int, forward=None,
+                 k: int | None = None) -> list[torch.Tensor]:
         """Run ``steps`` decode steps after prefill with ``forward`` (``self.step`` by default,
         or a ``@graphed`` wrapper of it); return each step's accepted lengths (host tensors).
-        The first step's drafts are placeholders, so its acceptance is not the draft's."""
+        The first step's drafts are placeholders, so its acceptance is not the draft's. ``k``:
+        drafts a step (default the engine's ``draft_len``), passed to ``forward`` when given
+        (a runner with ``variants={"k": ...}`` serves each value from its own graphs)."""
         forward = forward or self.step
-        n, k, m = len(prompts), self.k, self.meta
+        n, m = len(prompts), self.meta
+        extra = () if k is None else (k,)  # a forward of (ids, meta) keeps working without k
+        k = self.draft_len(k)
         context = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
         token = self.prefill(prompts)
         drafts = token[:, None].repeat(1, k)
@@ -242,7 +262,7 @@ class MTPEngine:
                 raise ValueError(f"max_context={self.cfg.max_context} too small for {steps} steps")
             ids = torch.cat([token[:, None], drafts], 1).reshape(-1)
             m.prepare(self.state, torch.full((n,), k + 1, dtype=torch.int32), context + k + 1)
-            out = forward(ids, m)
+            out = forward(ids, m, *extra)
             accepted = out.accepted.to("cpu", copy=True)  # graphed outputs are reused views: copy
             history.append(accepted)
             context = context + accepted.to(torch.int32)

@@ -11,8 +11,9 @@ the JSON form documented in ``docs/user-guide.md`` (``schema`` names its version
                           "target": "kv_cache"}],
      "unreached": [{"shape": [4], "dtype": "float32", "device": "cuda:0", "op": "aten::mul",
                     "where": "model.py:20"}],
-     "buckets": [{"bucket": 8, "warmup_ms": 40.1, "capture_ms": 12.5, "pool_bytes": 2097152, "nodes": 41,
-                  "replay_us": 31.0 | null, "eager_us": 212.0 | null, "replays": 3, "eager_runs": 0,
+     "buckets": [{"bucket": 8, "variant": "" | "k=3", "warmup_ms": 40.1, "capture_ms": 12.5,
+                  "pool_bytes": 2097152, "nodes": 41, "replay_us": 31.0 | null, "eager_us": 212.0 | null,
+                  "replays": 3, "eager_runs": 0,
                   "segments": [{"name": "target", "start": 0, "end": 30}, ...]}],
      "side_effects": [{"path": "cache.layers[0].keys", "op": "aten::index_copy_",
                        "where": "cache_utils.py:487", "nbytes": 32768, "policy": "restore"}],
@@ -26,7 +27,9 @@ null until it ran. ``eager_runs`` counts the calls of a bucket's size that fell 
 once it reaches ``GRAPHCTL_BYPASS_WINDOW`` (the graphs are captured but serve nothing).
 (``/2`` added ``eager_runs``, ``eager_streak``, ``bypassed``, ``host_changes``,
 ``padding_hazards`` and ``unreached`` to ``/1``; ``compiled``, ``compile``, ``reach`` and a
-bucket's ``warmup_ms`` were added since, as keys only: readers of ``/2`` ignore them.)
+bucket's ``warmup_ms`` and ``variant`` were added since, as keys only: readers of ``/2`` ignore
+them.) A variant runner's report has a row per (variant, bucket), ``variant`` naming its values
+(``"k=3"``); ``compile`` then sums dynamo's work per bucket size over the variants.
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ class BucketReport:
     segments: tuple[Segment, ...]
     eager_runs: int = 0
     warmup_ms: float = 0.0  # the bucket's eager warmups, tracked ones included, device work waited for
+    variant: str = ""  # a variant runner's row: its variant values ("k=3"); "" for a plain runner
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,14 +121,18 @@ class Report:
         from rich.table import Table
 
         t = Table(title=f"{self.function}: {self.backend} graphs on {self.device} (torch {self.torch})")
+        variants = any(b.variant for b in self.buckets)
+        if variants:
+            t.add_column("variant", no_wrap=True)
         for col in ("bucket", "warmup ms", "capture ms", "pool MiB", "nodes", "segments", "replay us", "eager us",
                     "speedup", "replays", "eager runs"):
             t.add_column(col, justify="right" if col != "segments" else "left")
         for b in self.buckets:
             speed = f"{b.eager_us / b.replay_us:.2f}x" if b.replay_us and b.eager_us else "-"
             segs = " ".join(f"{s.name}:{s.end - s.start}" for s in b.segments)
-            t.add_row(str(b.bucket), f"{b.warmup_ms:.1f}", f"{b.capture_ms:.1f}", f"{b.pool_bytes / 2**20:.2f}",
-                      str(b.nodes), segs, _us(b.replay_us), _us(b.eager_us), speed, str(b.replays), str(b.eager_runs))
+            t.add_row(*((b.variant,) if variants else ()), str(b.bucket), f"{b.warmup_ms:.1f}",
+                      f"{b.capture_ms:.1f}", f"{b.pool_bytes / 2**20:.2f}", str(b.nodes), segs, _us(b.replay_us),
+                      _us(b.eager_us), speed, str(b.replays), str(b.eager_runs))
         return t
 
     def findings(self) -> list[str]:

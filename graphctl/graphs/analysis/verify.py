@@ -65,14 +65,16 @@ class VerifyResult:
     outputs: int
     mismatch: Mismatch | None  # an output (or, with writes="error", a write) that differs: not ok
     write: Mismatch | None = None  # with writes="warn": the first write that differs (ok is unaffected)
+    variant: str = ""  # a variant runner's result: its variant values ("k=3")
 
     @property
     def ok(self) -> bool:
         return self.mismatch is None
 
     def __str__(self) -> str:
+        at = f"{self.variant} " if self.variant else ""
         if self.ok:
-            text = f"bucket {self.bucket} (n={self.n}): {self.outputs} outputs equal"
+            text = f"{at}bucket {self.bucket} (n={self.n}): {self.outputs} outputs equal"
             if self.write is not None:
                 w = self.write
                 text += (f"; warning: {w.output} differs first at index {w.index}: eager {w.expected}, replay "
@@ -82,7 +84,7 @@ class VerifyResult:
         m = self.mismatch
         assert m is not None  # not ok: a mismatch is named
         what = m.output if m.output.startswith("write ") else f"output {m.output}"
-        return (f"bucket {self.bucket} (n={self.n}): {what} differs first at index {m.index}: "
+        return (f"{at}bucket {self.bucket} (n={self.n}): {what} differs first at index {m.index}: "
                 f"eager {m.expected}, replay {m.found}")
 
 

@@ -222,14 +222,18 @@ class HFEngine(MTPEngine):
         return first
 
     def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int,  # type: ignore[override]
-                 forward: Any = None, *, eos_token_id: int | None = None, progress: bool = False) -> GenerateResult:
+                 forward: Any = None, *, eos_token_id: int | None = None, progress: bool = False,
+                 k: int | None = None) -> GenerateResult:
         """Greedy generation: prefill, then decode (``draft_len`` 0) or speculative steps through
         ``forward`` (``self.step``/``self.decode_step`` by default, or their ``@graphed``
-        wrappers), until every request has ``max_new_tokens`` tokens or its EOS."""
+        wrappers), until every request has ``max_new_tokens`` tokens or its EOS. ``k``: drafts a
+        step, ``1 <= k <= draft_len`` (default ``draft_len``), passed to ``forward`` when given
+        (a runner with ``variants={"k": ...}`` serves each value from its own graphs)."""
         self.check_prompts(prompts)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected a positive int, found {max_new_tokens!r}")
-        n, k, m = len(prompts), self.k, self.meta
+        extra = () if k is None else (k,)  # a forward of (ids, meta) keeps working without k
+        n, k, m = len(prompts), self.draft_len(k), self.meta
         context = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
         need = int(context.max()) + max_new_tokens + 3 * k + 3  # the step past the last one runs too
         if need > self.cfg.max_context:
@@ -258,7 +262,7 @@ class HFEngine(MTPEngine):
                 packed = torch.stack([accepted, token], 1)
             else:
                 ids = torch.cat([token[:, None], drafts], 1).reshape(-1)
-                out = (forward or self.step)(ids, m)
+                out = (forward or self.step)(ids, m, *extra)
                 token, drafts, accepted = out.bonus.clone(), out.drafts.clone(), out.accepted
                 packed = torch.cat([accepted[:, None].to(ids.dtype), ids.view(n, k + 1)[:, 1:], token[:, None]], 1)
             context = context + accepted.to(torch.int32)
