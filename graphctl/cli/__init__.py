@@ -85,9 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--max-batch", type=_positive, default=None, metavar="N",
                    help="largest batch in requests: the buckets when --buckets is not given, and the batch sizes "
                         "the coverage pass checks (1..N), e.g. --max-batch 32 (default: the largest bucket, or 64)")
-    c.add_argument("--draft-len", type=_positive, default=3, metavar="K",
+    c.add_argument("--draft-len", type=_positive, nargs="+", default=[3], metavar="K",
                    help="draft tokens per request; a bucket of B requests holds B*(K+1) tokens, e.g. --draft-len 7 "
-                        "(default 3; passed to the factory)")
+                        "(default 3; passed to the factory). Several values capture one runner with a graph set per "
+                        "draft length in one pool (variants), e.g. --draft-len 1 3 7: the factory gets draft_len=7 "
+                        "and draft_lens=(1, 3, 7)")
     c.add_argument("--backend", choices=("auto", "cuda", "emulated"), default="auto",
                    help="cuda graphs, the emulated recorder (any machine), or auto: cuda when a GPU is present "
                         "(e.g. --backend emulated)")

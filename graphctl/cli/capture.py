@@ -42,9 +42,9 @@ def derive_buckets(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
-def coverage_rows(served: dict[int, str], per_item: int) -> list[dict[str, Any]]:
+def coverage_rows(served: dict[int, str], per_item: int, variant: str = "") -> list[dict[str, Any]]:
     """Consecutive batch sizes served alike, as ``{"batch": "3-4", "served_by": ..., "tokens":
-    ..., "padding": worst fraction of padded rows}`` rows."""
+    ..., "padding": worst fraction of padded rows, "variant": "k=3" or ""}`` rows."""
     rows: list[dict[str, Any]] = []
     for n in sorted(served):
         how = served[n]
@@ -57,6 +57,7 @@ def coverage_rows(served: dict[int, str], per_item: int) -> list[dict[str, Any]]
         bucket = int(r["served_by"].split()[1]) if r["served_by"].startswith("bucket ") else None
         r["tokens"] = bucket * per_item if bucket else None
         r["padding"] = 1 - r["lo"] / bucket if bucket else None
+        r["variant"] = variant
     return rows
 
 
@@ -86,22 +87,27 @@ def _header_text(head: dict[str, Any]) -> str:
             f"graphctl {head['graphctl']}, backend {head['backend']}")
 
 
-def _table(name: str, report, verify: dict[int, list], audits: dict[int, Any], per_item: int):
+def _table(name: str, report, verify: dict[tuple[str, int], list], audits: dict[tuple[str, int], Any],
+           per_item: dict[str, int]):
     from rich.table import Table
 
     t = Table(title=f"{name}: {report.backend} graphs")
+    variants = any(b.variant for b in report.buckets)
+    if variants:
+        t.add_column("variant", no_wrap=True)
     for col in ("bucket", "tokens", "capture ms", "pool MiB", "nodes", "replay us", "eager us", "speedup", "verify",
                 "audit"):
         t.add_column(col, justify="right")
     for b in report.buckets:
         speed = f"{b.eager_us / b.replay_us:.2f}x" if b.replay_us and b.eager_us else "-"
-        vs = verify.get(b.bucket)
+        vs = verify.get((b.variant, b.bucket))
         v = "-" if vs is None else ("ok" if all(r.ok for r in vs) else "[red]MISMATCH")
-        a = audits.get(b.bucket)
+        a = audits.get((b.variant, b.bucket))
         au = "-" if a is None else (f"[red]{len(a.errors)} err[/] {len(a.warnings)} warn" if a.errors else
                                     f"[yellow]{len(a.possible)} possible[/]" if a.possible else
                                     "clean" if not a.warnings else f"{len(a.warnings)} warn")
-        t.add_row(str(b.bucket), str(b.bucket * per_item), f"{b.capture_ms:.1f}", f"{b.pool_bytes / 2**20:.2f}",
+        t.add_row(*((b.variant,) if variants else ()), str(b.bucket), str(b.bucket * per_item[b.variant]),
+                  f"{b.capture_ms:.1f}", f"{b.pool_bytes / 2**20:.2f}",
                   str(b.nodes), _num(b.replay_us), _num(b.eager_us), speed, v, au)
     return t
 
@@ -111,12 +117,14 @@ def _coverage_table(rows: list[dict[str, Any]]):
     from rich.table import Table
 
     t = Table(title="coverage: which batch sizes each bucket serves")
-    for col in ("batch", "served by", "tokens", "worst padding"):
+    variants = any(r["variant"] for r in rows)
+    for col in (("variant",) if variants else ()) + ("batch", "served by", "tokens", "worst padding"):
         t.add_column(col, justify="right")
     for r in rows:
         pad = "-" if r["padding"] is None else f"{100 * r['padding']:.0f}%"
         how = r["served_by"] if r["served_by"].startswith("bucket") else f"[red]{escape(r['served_by'])}"
-        t.add_row(r["batch"], how, "-" if r["tokens"] is None else str(r["tokens"]), pad)
+        tokens = "-" if r["tokens"] is None else str(r["tokens"])
+        t.add_row(*((r["variant"],) if variants else ()), r["batch"], how, tokens, pad)
     return t
 
 
@@ -278,9 +286,15 @@ def _run(con, args) -> int:
                    else (args.target or BUILTIN, {}))
     with _stage("loading the target", 2):
         try:
-            target = load_target(spec, device=device, max_batch=max_batch, draft_len=args.draft_len, **extra)
+            ks = sorted(set(args.draft_len))  # several: the factory's variants, one runner (draft_lens=)
+            if len(ks) > 1:
+                extra["draft_lens"] = tuple(ks)
+            target = load_target(spec, device=device, max_batch=max_batch, draft_len=ks[-1], **extra)
         except GraphctlError as exc:
             raise _Stop(2, " ".join(str(exc).split())) from None
+    if len(ks) > 1 and not target.variants:
+        raise _Stop(2, f"--draft-len {' '.join(map(str, ks))}: the target returned no variants (CaptureTarget."
+                       "variants={'k': draft_lens}); give one --draft-len, or make its factory use draft_lens")
     name = target.name or args.target or BUILTIN
     head = _device_header("cuda" if use_cuda else "emulated")
     con.print(_header_text(head))
@@ -292,28 +306,34 @@ def _run(con, args) -> int:
             raise _Stop(2, f"the example does not fit {name}: {exc}; fix CaptureTarget.example") from None
         except ValueError:  # no signature to check: the capture says
             pass
-        runner = graphctl.GraphRunner(target.forward, buckets=buckets, state=target.state, inputs=target.inputs,
-                                      backend="cuda" if use_cuda else "emulated", fallback="eager",
-                                      params=target.params, progress=args.progress)
+        runner = graphctl.graphed(target.forward, buckets=buckets, state=target.state, inputs=target.inputs,
+                                  backend="cuda" if use_cuda else "emulated", fallback="eager",
+                                  params=target.params, progress=args.progress, variants=target.variants)
     with _stage("capture", 1):
         runner.capture_all(*target.example)
+    # every (variant, runner): a plain runner is the one unlabelled variant
+    units = [(v.label, v.runner) for v in runner.variants] if isinstance(runner, graphctl.VariantRunner) else \
+        [("", runner)]
     # emulated graphs re-run every op from Python: their timings mean nothing, so they cost nothing unless asked
     timed = args.time if args.time is not None else use_cuda
     if timed:
         with _stage("timing replay against eager", 1):
             runner.measure(iters=args.iters)
-    verify: dict[int, list] = {}
+    verify: dict[tuple[str, int], list] = {}
     if args.verify:
         with _stage("verify", 1):
             for r in runner.verify(gen=torch.Generator().manual_seed(args.seed)):
-                verify.setdefault(r.bucket, []).append(r)
+                verify.setdefault((r.variant, r.bucket), []).append(r)
+    audits: dict[tuple[str, int], Any] = {}
     with _stage("audit", 1):
-        audits = runner.audit(confirm=args.audit == "confirm") if args.audit else {}
+        for label, r in units if args.audit else ():
+            audits.update({(label, b): a for b, a in r.audit(confirm=args.audit == "confirm").items()})
+    rows: list[dict[str, Any]] = []
     with _stage("coverage", 1):
-        served = runner.coverage(range(1, max_batch + 1))
-    rows = coverage_rows(served, target.per_item)
+        for label, r in units:
+            rows += coverage_rows(r.coverage(range(1, max_batch + 1)), r.inputs[0].per_item, label)
     report = runner.report()
-    con.print(_table(name, report, verify, audits, target.per_item))
+    con.print(_table(name, report, verify, audits, {label: r.inputs[0].per_item for label, r in units}))
     if not use_cuda and timed:
         con.print("emulated graphs re-run every recorded op from Python: replay is not faster than eager here; "
                   "the timing columns mean something on CUDA")
@@ -321,7 +341,8 @@ def _run(con, args) -> int:
         con.print("not timed: emulated graphs re-run every op from Python, so replay vs eager means nothing here "
                   "(--time times them anyway)")
     con.print("warmup ms (eager runs before each capture, device work included): " +
-              ", ".join(f"bucket {b.bucket} {b.warmup_ms:.1f}" for b in report.buckets))
+              ", ".join(f"{b.variant + ' ' if b.variant else ''}bucket {b.bucket} {b.warmup_ms:.1f}"
+                        for b in report.buckets))
     con.print(_coverage_table(rows))
     if report.compiled:
         con.print(escape(report.compile_summary))
@@ -337,12 +358,13 @@ def _run(con, args) -> int:
                 con.print(f"[red]verify: {escape(str(r))}")
             elif r.write is not None:  # a write that differs from eager: a padded lane, unless it is scratch
                 con.print(f"[yellow]verify: {escape(str(r))}")
-    for a in audits.values():
+    for (label, _), a in audits.items():
+        at = f"{label} bucket {a.bucket}" if label else f"bucket {a.bucket}"
         for f in a.findings:
-            line = escape(f"audit: bucket {a.bucket}: {f}")
+            line = escape(f"audit: {at}: {f}")
             con.print({"error": f"[red]{line}", "possible": f"[yellow]{line}"}.get(f.severity, line))
         for f in a.dropped:
-            con.print(escape(f"audit: bucket {a.bucket}: dropped {f}"))
+            con.print(escape(f"audit: {at}: dropped {f}"))
     possible = sum(len(a.possible) for a in audits.values())
     if possible:
         con.print(f"[yellow]audit: {possible} possible findings: words inside struct parameters that point into freed "
@@ -351,7 +373,7 @@ def _run(con, args) -> int:
         dropped = sum(len(a.dropped) for a in audits.values())
         confirmed = sum(1 for a in audits.values() for f in a.errors if f.evidence.startswith("confirmed"))
         con.print(f"audit confirm: {confirmed} confirmed, {dropped} dropped, {possible} undecided")
-    unserved = [n for n, how in served.items() if not how.startswith("bucket")]
+    unserved = sorted({n for r in rows if not r["served_by"].startswith("bucket") for n in range(r["lo"], r["hi"] + 1)})
     rc = 0
     if any(not r.ok for rs in verify.values() for r in rs) or any(a.errors for a in audits.values()):
         rc = 1
@@ -363,14 +385,18 @@ def _run(con, args) -> int:
         rc = 3
     if args.dot:
         os.makedirs(args.dot, exist_ok=True)
-        for b in runner.captured:
-            path = os.path.join(args.dot, f"bucket_{b}.dot")
-            if use_cuda:
-                runner.dot(b, path)
-            else:
-                with open(path, "w") as fh:
-                    fh.write(_dot_of_nodes(runner.nodes(b), runner.segments(b)))
-        con.print(f"DOT: {len(runner.captured)} files in {args.dot}")
+        files = 0
+        for label, r in units:
+            for b in r.captured:  # a variant's files are named by its values: k3_bucket_8.dot
+                stem = "".join(c for c in label if c.isalnum() or c in "_-,").replace(",", "_")
+                path = os.path.join(args.dot, f"{stem + '_' if stem else ''}bucket_{b}.dot")
+                if use_cuda:
+                    r.dot(b, path)
+                else:
+                    with open(path, "w") as fh:
+                        fh.write(_dot_of_nodes(r.nodes(b), r.segments(b)))
+                files += 1
+        con.print(f"DOT: {files} files in {args.dot}")
     if args.plot:
         _plot(args.plot, report)
         con.print(f"plot: {args.plot}")
@@ -378,8 +404,8 @@ def _run(con, args) -> int:
         doc = {"schema": SCHEMA, "header": head, "target": name,
                "report": report.to_dict(),
                "verify": [dataclasses.asdict(r) | {"ok": r.ok} for rs in verify.values() for r in rs],
-               "audit": {str(b): a.to_dict() for b, a in audits.items()},
-               "coverage": [{k: r[k] for k in ("batch", "served_by", "tokens", "padding")} for r in rows],
+               "audit": {f"{label} {b}".strip(): a.to_dict() for (label, b), a in audits.items()},
+               "coverage": [{k: r[k] for k in ("batch", "served_by", "tokens", "padding", "variant")} for r in rows],
                "exit_code": rc}
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=2, default=str)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from graphctl.graphs import StaticInput
+from graphctl.cli.builtin import step_target
 from graphctl.graphs.target import CaptureTarget
 
 __all__ = ["capture_target"]
 
 
 def capture_target(*, device: str = "cpu", max_batch: int = 64, draft_len: int = 3, seed: int = 0,
+                   draft_lens: tuple[int, ...] | None = None,
                    hf_config: str = "tiny-llama", compile: bool = False, **_: object) -> CaptureTarget:
-    """The HF engine's step for up to ``max_batch`` requests of ``draft_len + 1`` tokens."""
+    """The HF engine's step for up to ``max_batch`` requests of ``draft_len + 1`` tokens (every
+    one of ``draft_lens`` from one runner, when given)."""
     from graphctl.integrations.hf import HFEngine
     from graphctl.integrations.hf.configs import hf_config as load
 
@@ -25,7 +27,5 @@ def capture_target(*, device: str = "cpu", max_batch: int = 64, draft_len: int =
     eng.meta.prepare(eng.state, torch.full((max_batch,), k1, dtype=torch.int32),
                      torch.randint(k1, 200, (max_batch,), generator=g, dtype=torch.int32))
     ids = torch.randint(0, eng.cfg.vocab, (max_batch * k1,), generator=g).to(eng.device)
-    return CaptureTarget(forward=eng.step, example=(ids, eng.meta), state=eng.state,
-                         inputs=(StaticInput("input_ids", per_item=k1),), params=eng.named_tensors(),
-                         name=f"HFEngine.step ({hf_config}, {type(eng.target_layers).__name__}, k={draft_len}"
-                              f"{', compiled' if compile else ''})")
+    return step_target(eng, ids, draft_len, draft_lens, f"HFEngine.step ({hf_config}, "
+                       f"{type(eng.target_layers).__name__}, {{}}{', compiled' if compile else ''})")

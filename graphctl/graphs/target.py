@@ -6,7 +6,7 @@ from its cause."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from graphctl.errors import DeclarationError
@@ -25,6 +25,7 @@ class CaptureTarget:
     inputs: Sequence[str | StaticInput] | None = None
     params: Any = None  # model tensors for the audit (nn.Module, mapping or iterable)
     name: str = ""
+    variants: Mapping[str, Any] | None = None  # graphed(variants=...): a graph set per host-argument value
 
     def __post_init__(self) -> None:
         # checked here, where the factory builds it: a wrong field found later is a traceback far from its cause
@@ -44,6 +45,7 @@ class CaptureTarget:
 
     @property
     def per_item(self) -> int:
-        """Rows of the first static input per batch item (``k + 1`` tokens for a draft step)."""
+        """Rows of the first static input per batch item (``k + 1`` tokens for a draft step; with
+        variants, a runner's own ``inputs[0].per_item`` says it per variant)."""
         first = StaticInput.of(self.inputs[0]) if self.inputs else None
         return first.per_item if first is not None else 1

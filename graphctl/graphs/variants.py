@@ -17,8 +17,9 @@ Constraints (each checked):
   ``per_item_of`` may be a function of the variant arguments (``per_item_of=lambda k: k + 1``); the
   example call's items are resized for each variant (rows repeated cyclically), so one example
   captures every variant.
-- Capture goes variant by variant, the one with the largest bucket first, every bucket of one
-  variant largest first, all into one pool: later graphs reuse the blocks earlier ones freed.
+- Capture goes variant by variant, the one with the largest graph first (its largest bucket
+  times its rows per item), every bucket of one variant largest first, all into one pool:
+  later graphs reuse the blocks earlier ones freed. Reports list variants in declared order.
   A capture that fails anywhere drops every variant (no holes).
 """
 from __future__ import annotations
@@ -98,8 +99,11 @@ class VariantRunner:
             v = Variant(values, GraphRunner(fn, sub))
             self._by_key[tuple(variant_key(x) for _, x in values)] = v
             order.append(v)
-        # largest bucket first over all variants (stable: declared order otherwise), as within a runner
-        self.variants: tuple[Variant, ...] = tuple(sorted(order, key=lambda v: -v.runner.buckets.largest))
+        self.variants: tuple[Variant, ...] = tuple(order)  # declared order: reports, verify, coverage
+        # captured largest first (the most rows a graph takes: bucket x rows per item), so that later
+        # graphs reuse the blocks earlier ones freed, as the buckets within a runner do
+        self._order = tuple(sorted(order, key=lambda v: -v.runner.buckets.largest * max(
+            [si.per_item for si in v.runner.options.inputs or ()] or [1])))
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         """A decorated method gets one variant runner per instance, as :class:`GraphRunner` does."""
@@ -125,7 +129,7 @@ class VariantRunner:
         arguments = self._sig.bind(args, kwargs)
         given = {n: arguments[n] for n in self._names}
         try:
-            for v in self.variants:
+            for v in self._order:
                 values = dict(v.values)
                 example = {**arguments, **values, **self._resized(arguments, given, values)}
                 a, kw = self._sig.assemble(example)
