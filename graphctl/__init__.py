@@ -17,7 +17,7 @@ from graphctl.errors import (
                              StaleBufferError,
                              SwitchError,
 )
-from graphctl.graphs import CaptureTarget, GraphRunner, Report, StaticInput, VariantRunner, graphed
+from graphctl.graphs import CaptureTarget, GraphRunner, Report, StaticInput, VariantRunner, eager, graphed
 from graphctl.state import (
                              BoundState,
                              CopyInPlace,
@@ -41,6 +41,6 @@ __all__ = [
     "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError", "ConcurrentUseError",
     "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
     "RepointError", "OutputsHeldWarning", "graphed", "GraphRunner", "VariantRunner", "StaticInput", "Report",
-    "CaptureTarget",
+    "CaptureTarget", "eager",
     "knobs", "ops", "__version__",
 ]

@@ -9,11 +9,12 @@ from graphctl.graphs.analysis.verify import Mismatch, VerifyResult
 from graphctl.graphs.backends import BACKENDS, GraphBackend, select_backend, unsupported_reasons
 from graphctl.graphs.decorator import graphed
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
+from graphctl.graphs.pieces import EagerRegion, eager
 from graphctl.graphs.runner import GraphRunner
 from graphctl.graphs.target import CaptureTarget
 from graphctl.graphs.variants import Variant, VariantRunner
 
 __all__ = ["Audit", "Finding", "audit_graph", "Node", "Ref", "Region", "BACKENDS", "DEFAULT_BUCKETS", "SCHEMA",
            "BucketReport", "Buckets", "CaptureTarget", "GraphBackend", "GraphRunner", "Report", "Segment",
-           "StaticInput", "Mismatch", "Variant", "VariantRunner", "VerifyResult", "graphed", "select_backend",
-           "unsupported_reasons"]
+           "StaticInput", "EagerRegion", "eager", "Mismatch", "Variant", "VariantRunner", "VerifyResult", "graphed",
+           "select_backend", "unsupported_reasons"]

@@ -187,15 +187,17 @@ class Capture:
 
     # ---------------------------------------------------------------------- what it knows
 
-    def known_tensors(self, outputs: list[torch.Tensor]) -> list[tuple[str, str, torch.Tensor]]:
+    def known_tensors(self, outputs: list[torch.Tensor], regions: Any = ()) -> list[tuple[str, str, torch.Tensor]]:
         """``(kind, name, tensor)`` of the memory the runner knows: the state's buffers and
-        twins, its snapshot arenas, the static inputs, ``outputs``, frozen tensor arguments."""
+        twins, its snapshot arenas, the static inputs, ``outputs``, frozen tensor arguments, and
+        the static outputs of the graph's eager ``regions`` (``graphs/pieces.py``)."""
         out: list[tuple[str, str, torch.Tensor]] = []
         if self.state is not None:
             out += [("buffer", n, self.state.tensor(n)) for n in self.state.addresses()]
             out += [("arena", f"arena {n}", t) for n, t in self.state.arenas().items()]
         out += [("input", f"input:{slot.spec.name}", slot.static) for slot in self.slots]
         out += [("output", f"output[{i}]", t) for i, t in enumerate(outputs)]
+        out += [("boundary", f"eager:{r.name} output[{j}]", t) for r in regions for j, t in enumerate(r.outputs)]
         for name, (v, _) in self.frozen.items():
             out += [("argument", f"argument:{name}", t) for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
         return out
@@ -220,7 +222,9 @@ class Capture:
     def rows(self) -> tuple[BucketReport, ...]:
         """One report row per bucket (``report()``)."""
         return tuple(BucketReport(b, c.capture_ms, c.graph.pool_bytes, c.graph.node_count, c.replay_us, c.eager_us,
-                                  c.replays, c.segments, c.eager_runs, self.warmup_ms.get(b, 0.0))
+                                  c.replays, c.segments, c.eager_runs, self.warmup_ms.get(b, 0.0),
+                                  eager_regions=tuple({"name": r.name, "calls": r.calls, "mean_us": r.mean_us,
+                                                       "capture_us": r.capture_us} for r in c.graph.regions))
                      for b, c in sorted(self.graphs.items()))
 
     def report(self, name: str, opts: Options, fallbacks: dict[str, int], streak: int) -> Report:

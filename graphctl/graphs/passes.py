@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from graphctl.graphs import compiled, hoststate, reach, rebinding
+from graphctl.errors import CaptureError
+from graphctl.graphs import compiled, hoststate, pieces, reach, rebinding
 from graphctl.graphs.analysis.audit import param_tensors
 from graphctl.graphs.analysis.nodes import Region
 from graphctl.graphs.bucket import BucketGraph, gc_held, segments_from_marks, settle_slicing
@@ -264,7 +265,7 @@ def _capture_one(p: _Passes, bucket: int, call: tuple[tuple, dict], pool: Any,
                 marks.append((event, mark()))
         if p.cap.state is None:
             return fn(*call[0], **call[1])
-        with p.cap.state.observe(observe):
+        with p.cap.state.observe(observe), pieces.boundary_check(lambda name: _no_open_switch(p.cap, name, bucket)):
             return fn(*call[0], **call[1])
 
     t0 = time.perf_counter()
@@ -273,6 +274,17 @@ def _capture_one(p: _Passes, bucket: int, call: tuple[tuple, dict], pool: Any,
     ms = (time.perf_counter() - t0) * 1e3
     return BucketGraph(graph, out, bucket, p.cap.manifest(), segments_from_marks(marks, graph.node_count), ms,
                     frozenset({1} | {si.per_item for si in p.cap.inputs}))
+
+
+def _no_open_switch(cap: Capture, region: str, bucket: int) -> None:
+    """An eager region must not sit inside a switch (``graphs/pieces.py``): refused at capture."""
+    sw = cap.state.active_switch if cap.state is not None else None
+    if sw is not None:
+        raise CaptureError("a state.switch is open across an eager region", buffer=region,
+                           expected="every switch closed before an @graphctl.eager call",
+                           found=f"the switch to '{sw.role}' ({sw.phase}) open", bucket=bucket,
+                           fix="close the switch before the call and open another after it, or open the switch "
+                               "inside the eager function (the region then runs it eagerly)")
 
 
 def _progress(show: bool | None) -> Any:

@@ -328,7 +328,7 @@ class GraphRunner:
 
     def known_tensors(self, bucket: int) -> list[tuple[str, str, torch.Tensor]]:
         """``(kind, name, tensor)`` the runner knows for ``bucket``: the audit's named regions."""
-        return self._captured_or_raise("known_tensors").known_tensors(self.outputs(bucket))
+        return self._captured_or_raise("known_tensors").known_tensors(self.outputs(bucket), self.graph(bucket).regions)
 
     def nodes(self, bucket: int) -> list[Node]:
         """``bucket``'s nodes in capture order (CUDA: kernels, launch shapes, argument addresses; emulated: ops)."""

@@ -16,7 +16,7 @@ import torch
 
 from graphctl import bindings
 
-__all__ = ["recording", "is_recording", "capturing", "resolve_phase", "capture_invalidated"]
+__all__ = ["recording", "paused", "is_recording", "capturing", "resolve_phase", "capture_invalidated"]
 
 # The frame that entered ``recording()``, or None. The flag is true only while that frame is on
 # the stack: a Ctrl-C that lands in the cleanup of ``recording()`` (before its reset ran) can then
@@ -29,6 +29,16 @@ def recording() -> Iterator[None]:
     """Mark a region as a capture that is not a CUDA stream capture (the emulated recorder),
     for as long as the frame running the with-statement is on the stack."""
     token = _RECORDING.set(sys._getframe(2))  # 0: this generator, 1: contextlib's __enter__, 2: the caller
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """No recording inside (an eager region between two recorded pieces: its switches run eagerly)."""
+    token = _RECORDING.set(None)
     try:
         yield
     finally:

@@ -28,7 +28,8 @@ once it reaches ``GRAPHCTL_BYPASS_WINDOW`` (the graphs are captured but serve no
 (``/2`` added ``eager_runs``, ``eager_streak``, ``bypassed``, ``host_changes``,
 ``padding_hazards`` and ``unreached`` to ``/1``; ``compiled``, ``compile``, ``reach`` and a
 bucket's ``warmup_ms`` and ``variant`` were added since, as keys only: readers of ``/2`` ignore
-them.) A variant runner's report has a row per (variant, bucket), ``variant`` naming its values
+them; so were a bucket's ``eager_regions``: ``[{"name", "calls", "mean_us", "capture_us"}]``.) A
+variant runner's report has a row per (variant, bucket), ``variant`` naming its values
 (``"k=3"``); ``compile`` then sums dynamo's work per bucket size over the variants.
 """
 from __future__ import annotations
@@ -65,6 +66,13 @@ class BucketReport:
     eager_runs: int = 0
     warmup_ms: float = 0.0  # the bucket's eager warmups, tracked ones included, device work waited for
     variant: str = ""  # a variant runner's row: its variant values ("k=3"); "" for a plain runner
+    # eager regions between the graph's pieces (graphs/pieces.py), in order: name, calls, mean_us (host wall
+    # time of a call at replay, copies included; None before any), capture_us; () for a whole graph
+    eager_regions: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def pieces(self) -> int:
+        return len(self.eager_regions) + 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -163,6 +171,14 @@ class Report:
                       "bypassed (see the fallbacks below)\n")
         if self.compiled:
             buf.write(f"{self.compile_summary}; compiled frames run uncompiled: {self.uncompiled}\n")
+        for b in self.buckets:
+            if b.eager_regions:
+                buf.write(f"{b.variant + ' ' if b.variant else ''}bucket {b.bucket}: {b.pieces} pieces; " + "; ".join(
+                    f"eager region {r['name']}: " + ("not replayed yet" if r["mean_us"] is None else
+                                                      f"{r['mean_us']:.1f} us a call" + (
+                                                          f" ({100 * r['mean_us'] / b.replay_us:.0f}% of the replay)"
+                                                          if b.replay_us else ""))
+                    for r in b.eager_regions) + "\n")
         if self.fallbacks:
             buf.write("eager fallbacks: " + "; ".join(f"{r} (x{c})" for r, c in self.fallbacks.items()) + "\n")
         for line in self.findings():

@@ -25,6 +25,7 @@ import torch
 
 from graphctl import bindings
 from graphctl.errors import CaptureError, RepointError
+from graphctl.graphs import pieces
 from graphctl.graphs.backends.cuda_nodes import (
     allocator_regions,
     apply_patches,
@@ -37,7 +38,7 @@ from graphctl.graphs.backends.cuda_nodes import (
 from graphctl.graphs.repoint import lookup
 from graphctl.state.phase import capture_invalidated
 
-__all__ = ["CudaBackend", "CudaGraph", "refuse_nested_capture"]
+__all__ = ["CudaBackend", "CudaGraph", "PiecewiseGraph", "refuse_nested_capture"]
 
 
 class _NodeOrder:
@@ -109,6 +110,11 @@ class CudaGraph:
     def replay(self) -> None:
         self._graph.replay()
 
+    regions: tuple = ()  # a whole graph has no eager region (PiecewiseGraph has)
+
+    def reset(self) -> None:  # a capture that failed after this piece: never keep it replayable
+        self._graph.reset()
+
     can_poison = True  # audit confirm (graphs/analysis/confirm.py) may fill freed blocks and replay
 
     def poison(self, start: int, nbytes: int, byte: int) -> None:
@@ -150,6 +156,62 @@ class CudaGraph:
             return len(patches)
 
         return apply
+
+
+class PiecewiseGraph:
+    """Pieces of one capture with an eager region between each two (``graphs/pieces.py``):
+    replayed piece, region, piece, ... on the current stream. Nodes are the pieces' nodes in
+    order (segments and the audit see one sequence); the pool is the pieces' shared one."""
+
+    can_poison = True
+
+    def __init__(self, parts: list[CudaGraph], regions: list[pieces.EagerRegion], pool_bytes: int) -> None:
+        self.parts, self.regions, self.pool_bytes = tuple(parts), tuple(regions), pool_bytes
+        self.failed_at: int | None = None  # the node offset of a region that raised (BucketGraph.replay)
+        self.order = [h for p in parts for h in p.order]
+        self.node_count = -1 if any(p.node_count < 0 for p in parts) else len(self.order)
+        self._starts = []  # each region's node offset: where the pieces before it end
+        n = 0
+        for p in parts[:-1]:
+            n += max(p.node_count, 0)
+            self._starts.append(n)
+
+    def replay(self) -> None:
+        self.failed_at = None
+        for i, part in enumerate(self.parts):
+            part.replay()
+            if i < len(self.regions):
+                reg = self.regions[i]
+                self.failed_at = self._starts[i]
+                reg.run(*reg.args, **reg.kwargs)
+                self.failed_at = None
+
+    def nodes(self):
+        return read_cuda_nodes(self.order)
+
+    def memory_regions(self):
+        return self.parts[0].memory_regions()
+
+    def dot(self, path: str) -> None:
+        """One DOT file per piece: ``path`` for the first, ``<stem>.piece<i>.dot`` for the others."""
+        stem = path[:-4] if path.endswith(".dot") else path
+        for i, part in enumerate(self.parts):
+            part.dot(path if i == 0 else f"{stem}.piece{i}.dot")
+
+    def poison(self, start: int, nbytes: int, byte: int) -> None:
+        self.parts[0].poison(start, nbytes, byte)
+
+    def peek(self, start: int, nbytes: int) -> bytes:
+        return self.parts[0].peek(start, nbytes)
+
+    def reset(self) -> None:
+        for p in self.parts:
+            p.reset()
+
+    def repoint(self, moves: list) -> Callable[[], int]:
+        raise RepointError("a piecewise graph cannot be re-pointed", buffer=moves[0].name if moves else None,
+                           expected="a graph without eager regions", found=f"{len(self.parts)} pieces",
+                           fix="reset() and capture again after the buffers moved")
 
 
 class CudaBackend:
@@ -197,39 +259,80 @@ class CudaBackend:
         return fn  # a compiled forward's kernels are captured like any others
 
     def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int,
-                compiled: Sequence[Any] = ()) -> tuple[CudaGraph, Any]:
+                compiled: Sequence[Any] = ()) -> tuple[CudaGraph | PiecewiseGraph, Any]:
+        """Capture ``body(mark)``; every ``@graphctl.eager`` call inside ends the piece captured so
+        far, replays it (the region sees real data), runs the region and begins the next piece in
+        the same pool (``graphs/pieces.py``): a :class:`PiecewiseGraph` when there was one."""
         self._check_preconditions(bucket)
-        g = torch.cuda.CUDAGraph(keep_graph=True)
         self.synchronize()
         before = torch.cuda.memory_reserved(self.device)
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)
-        with torch.cuda.stream(self.stream):
+        done: list[CudaGraph] = []
+        regions: list[pieces.EagerRegion] = []
+        live: list[Any] = [None, None]  # the piece being captured and its node order (None between pieces)
+
+        def begin() -> None:
+            g = torch.cuda.CUDAGraph(keep_graph=True)
             g.capture_begin(pool=pool)
-            tracker = _NodeOrder(self.stream)
-            try:
-                out = body(tracker.mark)
-            except BaseException as exc:
-                dead = capture_invalidated(self.device)
-                self._abandon(g, exc)
-                if not isinstance(exc, Exception):  # Ctrl-C, SystemExit, GeneratorExit propagate as themselves
-                    exc.add_note(f"graphctl: capture of bucket {bucket} dropped; nothing replayable was kept")
-                    raise
-                if dead and "CaptureInvalidated" in str(exc):  # the body's error is a symptom, not the cause
-                    raise self._invalidated(bucket, exc) from exc
-                raise CaptureError.from_body(bucket, exc) from exc
+            live[:] = [g, _NodeOrder(self.stream)]
+
+        def end() -> None:
+            g, tracker = live
+            live[:] = [None, None]
             try:
                 g.capture_end()
             except BaseException as exc:  # the body swallowed an error that invalidated the capture
                 g.reset()
                 self._recover_rng()
                 raise self._invalidated(bucket, exc) from exc
+            g.instantiate()
+            done.append(CudaGraph(g, 0, tracker.finish(g.raw_cuda_graph()), pool, self.device))
+
+        def mark() -> int:
+            m = live[1].mark() if live[1] is not None else -1
+            return -1 if m < 0 or any(p.node_count < 0 for p in done) else m + sum(p.node_count for p in done)
+
+        def region(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+            end()
+            done[-1].replay()  # the region runs on what the piece computes, as at every replay
+            out, reg = pieces.run_region(fn, args, kwargs)
+            regions.append(reg)
+            begin()
+            return out
+
+        with torch.cuda.stream(self.stream):
+            begin()
+            try:
+                with pieces.regions(region):
+                    out = body(mark)
+            except BaseException as exc:
+                dead = live[0] is not None and capture_invalidated(self.device)
+                if live[0] is not None:
+                    self._abandon(live[0], exc)
+                for p in done:
+                    p.reset()
+                if not isinstance(exc, Exception):  # Ctrl-C, SystemExit, GeneratorExit propagate as themselves
+                    exc.add_note(f"graphctl: capture of bucket {bucket} dropped; nothing replayable was kept")
+                    raise
+                if isinstance(exc, CaptureError):
+                    raise
+                if dead and "CaptureInvalidated" in str(exc):  # the body's error is a symptom, not the cause
+                    raise self._invalidated(bucket, exc) from exc
+                raise CaptureError.from_body(bucket, exc) from exc
+            try:
+                end()
+            except BaseException:
+                for p in done:
+                    p.reset()
+                raise
         cur.wait_stream(self.stream)
-        g.instantiate()
         self.synchronize()
-        order = tracker.finish(g.raw_cuda_graph())
         pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
-        return CudaGraph(g, pool_bytes, order, pool, self.device), out
+        if not regions:
+            done[0].pool_bytes = pool_bytes
+            return done[0], out
+        return PiecewiseGraph(done, regions, pool_bytes), out
 
     @staticmethod
     def _invalidated(bucket: int, exc: BaseException) -> CaptureError:

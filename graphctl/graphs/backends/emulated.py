@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import threading
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,10 +41,12 @@ from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import CaptureError, ReplayError
 from graphctl.graphs import compiled as _compiled
+from graphctl.graphs import pieces
 from graphctl.graphs.analysis.nodes import Node, Ref, Region
+from graphctl.graphs.backends.looks import LooksLikeCapture as _LooksLikeCapture
 from graphctl.graphs.frames import GRAPHCTL_DIR, user_frame
 from graphctl.state.interrupts import deferred, drop_mode
-from graphctl.state.phase import recording
+from graphctl.state.phase import paused, recording
 
 __all__ = ["EmulatedBackend", "EmulatedGraph"]
 
@@ -96,10 +97,36 @@ class _Call:
         self.fresh = tuple((i, t) for i, t in enumerate(tree_flatten(out)[0]) if isinstance(t, torch.Tensor))
 
 
+class _Region:
+    """An eager region (``graphs/pieces.py``) between two recorded pieces: replayed by calling it."""
+
+    __slots__ = ("func", "args", "kwargs", "fresh", "waits", "name", "region")
+
+    def __init__(self, region: pieces.EagerRegion) -> None:
+        self.region, self.func, self.args, self.kwargs = region, region.run, region.args, region.kwargs
+        self.fresh, self.waits, self.name = (), (), f"eager:{region.name}"  # run() copies its results itself
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[_Op | _Call] = []
+        self.ops: list[_Op | _Call | _Region] = []
+
+    def region(self, looks: _LooksLikeCapture) -> Callable[[Callable[..., Any], tuple, dict], Any]:
+        """The handler of ``@graphctl.eager`` calls under this recorder: off the mode stack, not
+        recording, not looking like a capture, the function runs; one ``_Region`` op is kept."""
+        def handler(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+            with _pop_mode_temporarily() as mode:
+                if mode is not self:  # another mode entered inside the forward encloses the region
+                    raise CaptureError("a dispatch mode inside the forward encloses an eager region",
+                                       buffer=getattr(fn, "__qualname__", repr(fn)),
+                                       expected="no TorchDispatchMode entered inside the captured forward",
+                                       found=type(mode).__name__, fix="enter the mode outside the graphed call")
+                with paused(), looks.paused():
+                    out, region = pieces.run_region(fn, args, kwargs)
+            self.ops.append(_Region(region))
+            return out
+        return handler
 
     def opaque(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         """``fn`` (compiled) run off the mode stack with dynamo on, and recorded as one call."""
@@ -145,8 +172,9 @@ class _Recorder(TorchDispatchMode):
 class EmulatedGraph:
     """A recorded op list replayed onto its capture-time storages."""
 
-    def __init__(self, ops: list[_Op | _Call]) -> None:
+    def __init__(self, ops: list[_Op | _Call | _Region]) -> None:
         self._ops = ops
+        self.regions = tuple(op.region for op in ops if isinstance(op, _Region))  # eager regions, in order
         self.failed_at: int | None = None  # the op a replay stopped at (None: it ran whole)
         seen: dict[int, int] = {}
         for op in ops:
@@ -170,7 +198,7 @@ class EmulatedGraph:
         with deferred(), torch.no_grad():
             for i, op in enumerate(self._ops):
                 self.failed_at = i  # where a raising op stopped the replay (BucketGraph.replay poisons past a switch)
-                res = op.func(*op.args, **op.kwargs)  # a recorded compiled call runs compiled: no mode is on
+                res: Any = op.func(*op.args, **op.kwargs)  # a recorded compiled call runs compiled: no mode is on
                 for w in op.waits:
                     res[w].wait()
                 if op.fresh:
@@ -211,7 +239,7 @@ class EmulatedGraph:
                           fix="capture on a GPU (backend='cuda'); emulated graphs have nodes() instead")
 
     def op_names(self) -> list[str]:
-        return [op.name if isinstance(op, _Call) else op.func._schema.name for op in self._ops]
+        return [op.name if isinstance(op, (_Call, _Region)) else op.func._schema.name for op in self._ops]
 
     def nodes(self) -> list[Node]:
         """One :class:`~graphctl.graphs.analysis.nodes.Node` per recorded op: its tensor arguments as
@@ -219,6 +247,11 @@ class EmulatedGraph:
         ``read`` otherwise. View ops reference nothing (their consumers do)."""
         nodes = []
         for i, op in enumerate(self._ops):
+            if isinstance(op, _Region):  # an eager region: reads and may write its arguments, writes its outputs
+                refs = [r for v in (*op.args, *op.kwargs.values()) for r in _tensor_refs(v, "touch", "arg")]
+                refs += [r for j, t in enumerate(op.region.outputs) for r in _tensor_refs(t, "write", f"result {j}")]
+                nodes.append(Node(i, "op", op.name, refs=tuple(refs)))
+                continue
             if isinstance(op, _Call):  # a compiled call: its tensors may be read or written in place
                 refs = [r for v in (*op.args, *op.kwargs.values()) for r in _tensor_refs(v, "touch", "arg")]
                 refs += [r for j, t in op.fresh for r in _tensor_refs(t, "write", f"result {j}")]
@@ -301,57 +334,6 @@ def _leaves(v: Any, containers: set[int]) -> list[Any]:
     return [v]
 
 
-class _LooksLikeCapture:
-    """While the recorder runs, the stream-capture queries libraries ask before skipping host-side
-    checks (transformers' ``is_tracing()`` calls ``torch.cuda.is_current_stream_capturing()``)
-    answer as under a CUDA capture: True, in the recording thread only. Installed on entry of the
-    first recording, the originals put back when the last one ends."""
-
-    _lock = threading.Lock()
-    _threads: dict[int, int] = {}  # thread id -> recording depth
-    _saved: list[tuple[Any, str, Any]] = []
-    _held = False  # this instance entered and has not left
-
-    def __enter__(self) -> _LooksLikeCapture:
-        # held interrupts: a Ctrl-C at the exit of ``with self._lock`` would leave the lock taken
-        # (every later recording deadlocks) and this thread answering "capturing" for good
-        with deferred():
-            me = threading.get_ident()
-            with self._lock:
-                if not self._threads:
-                    original = torch.cuda.is_current_stream_capturing
-
-                    def is_current_stream_capturing() -> bool:
-                        return threading.get_ident() in _LooksLikeCapture._threads or original()
-
-                    owner: Any  # torch.cuda re-exports it from torch.cuda.graphs (stubs name neither)
-                    for owner in (torch.cuda, torch.cuda.graphs):
-                        self._saved.append((owner, "is_current_stream_capturing", owner.is_current_stream_capturing))
-                        owner.is_current_stream_capturing = is_current_stream_capturing
-                self._threads[me] = self._threads.get(me, 0) + 1
-                self._held = True
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with deferred():
-            if not self._held:  # already left (see ``leave``)
-                return
-            me = threading.get_ident()
-            with self._lock:
-                self._held = False
-                depth = self._threads.pop(me) - 1
-                if depth:
-                    self._threads[me] = depth
-                if not self._threads:
-                    while self._saved:
-                        owner, name, fn = self._saved.pop()
-                        setattr(owner, name, fn)
-
-    def leave(self) -> None:
-        """``__exit__`` if it has not run: an interrupt at the with-statement's exit skips it."""
-        self.__exit__(None, None, None)
-
-
 class _Rerouted:
     """Each compiled site rebound to ``rec``'s opaque call for the capture; :meth:`leave` puts them
     back and may run any number of times (a ``finally`` calls it: an interrupt between two lines
@@ -421,7 +403,7 @@ class EmulatedBackend:
                 stance = _compiled.eager()  # applied when made; leaving it again is harmless
                 with stance, route:  # left on exit and again below: an interrupt may skip one of the two
                     route.enter(compiled)
-                    with recording(), looks, rec:
+                    with recording(), looks, rec, pieces.regions(rec.region(looks)):
                         out = body(lambda: len(rec.ops))
             finally:  # an interrupt at the with-statement's exit skips the innermost __exit__ calls
                 drop_mode(rec)
