@@ -102,3 +102,22 @@ def test_the_decode_loop_never_waits_for_the_gpu_but_on_last_step_s_copy(gen):
         torch.cuda.set_sync_debug_mode(0)
         del eng.meta.prepare
     assert [t.tolist() for t in got.tokens] == want
+
+
+def test_one_runner_serves_draft_len_1_3_7_on_cuda_graphs(gen):
+    # Regression: issue 33, the HF engine's draft length as a variant: one runner, one pool, every k replayed.
+    seed = seed_of(gen)
+    from graphctl.integrations.hf import HFEngine
+    from graphctl.integrations.hf.configs import hf_config
+
+    eng = HFEngine.build(hf_config("tiny-llama"), draft_len=7, max_seqs=4, max_context=128, block_size=8, seed=seed,
+                         device="cuda")
+    ps = prompts(4, gen)
+    step = graphed_step(eng, draft_lens=(1, 3, 7), buckets=(1, 2, 4), backend="cuda")
+    for k in (7, 1, 3):
+        got = eng.generate(ps, NEW, forward=step, k=k)
+        want = eng.generate(ps, NEW, k=k)
+        assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens], k
+    rep = step.report()
+    assert {b.variant for b in rep.buckets} == {"k=1", "k=3", "k=7"} and step.fallbacks == {}
+    assert len({v.runner.options.pool.handle for v in step.variants}) == 1
