@@ -68,8 +68,11 @@ def main() -> int:
     def prepare(k: int) -> None:
         eng.meta.prepare(eng.state, torch.full((n,), k + 1, dtype=torch.int32), ctx + k + 1)
 
-    caps, pools, calls = {"variants": [], "per_k": []}, {"variants": [], "per_k": []}, {"variants": [], "per_k": []}
-    for _ in range(a.repeats):
+    caps: dict[str, list[float]] = {"variants": [], "per_k": []}
+    pools: dict[str, list[float]] = {"variants": [], "per_k": []}
+    calls: dict[str, list[float]] = {"variants": [], "per_k": []}
+
+    def one_round() -> None:
         # the per-k runners, each on its own engine view (same weights and caches; its own k as draft_len)
         per_k = {}
         t_sum, b_sum = 0.0, 0
@@ -91,14 +94,17 @@ def main() -> int:
         pools["variants"].append(b)
         for k in KS:  # round robin: drift reaches both alike
             prepare(k)
-            for name, fn in (("variants", lambda k=k: var(ids[k], eng.meta, k)), ("per_k", lambda k=k: per_k[k](
-                    ids[k], eng.meta))):
+            fns = (("variants", lambda k=k: var(ids[k], eng.meta, k)),
+                   ("per_k", lambda k=k: per_k[k](ids[k], eng.meta)))
+            for name, fn in fns:
                 fn()
                 t0 = _sync(dev)
                 for _ in range(a.calls):
                     fn()
                 calls[name].append((_sync(dev) - t0) / a.calls * 1e6)
-        del per_k, var
+
+    for _ in range(a.repeats):
+        one_round()  # its runners are dropped on return: the next round's captures start from a clean pool
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()

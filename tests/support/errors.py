@@ -450,6 +450,47 @@ def _mode_around_compiled() -> None:
     graphed(fwd, buckets=[2], backend="emulated", progress=False).capture_all(torch.ones(2, 3))
 
 
+def _variant_runner(**kw):
+    r = graphed(lambda x, k: x * k, buckets=[2], backend="emulated", progress=False, variants={"k": (1, 3)}, **kw)
+    return r.capture_all(torch.ones(2, 3), 1)
+
+
+def _switch_across_region():
+    import graphctl
+
+    m, st = _mini()
+
+    @graphctl.eager
+    def region(t):
+        return t + 1
+
+    def fwd(x, meta):
+        with st.switch("draft"):
+            return region(x * 2)
+
+    graphed(fwd, buckets=[2], state=st, inputs=["x"], backend="emulated", progress=False).capture_all(
+        torch.ones(2, 3), m)
+
+
+def _region_result(bad: str):
+    import graphctl
+
+    rows = {"n": 2, "flag": 1}
+
+    @graphctl.eager
+    def ragged(h):
+        return h[: rows["n"]].clone(), rows["flag"]
+
+    def fwd(x):
+        h, flag = ragged(x * 2)
+        return h * flag
+
+    r = graphed(fwd, buckets=[2], backend="emulated", progress=False)
+    r.capture_all(torch.ones(2, 3))
+    rows["n" if bad == "shape" else "flag"] = 1 if bad == "shape" else 5
+    r(torch.ones(2, 3))
+
+
 CASES: list[Case] = [
     # ---- declaration errors (StateSpec / register)
     Case(
@@ -1180,6 +1221,20 @@ CASES: list[Case] = [
         "DOT export of an emulated graph",
         lambda: (lambda r, m, x: r.dot(2, "/tmp/graphctl-never.dot"))(*_runner()),
     ),
+    Case("variant-value", DeclarationError, "declaration", "variants= listing a value that is not a host value",
+         lambda: graphed(lambda x, k: x, variants={"k": ([1, 2],)})),
+    Case("variant-name", DeclarationError, "declaration", "variants= naming no argument of the forward",
+         lambda: graphed(lambda x, k: x, variants={"j": (1, 2)})),
+    Case("per-item-of", DeclarationError, "declaration", "StaticInput(per_item_of=...) on a runner without variants",
+         lambda: graphed(lambda x: x, inputs=[StaticInput("x", per_item_of=lambda k: k + 1)])),
+    Case("variant-unlisted", ReplayError, "replay", "a call with a variant value no graph was captured for",
+         lambda: _variant_runner()(torch.ones(2, 3), 7)),
+    Case("region-switch-open", CaptureError, "capture", "a state.switch open across an @graphctl.eager call",
+         _switch_across_region),
+    Case("region-output-shape", ReplayError, "replay", "an eager region returning another shape than at capture",
+         lambda: _region_result("shape")),
+    Case("region-host-value", ReplayError, "replay", "an eager region returning another host value than at capture",
+         lambda: _region_result("flag")),
 ]
 
 

@@ -84,7 +84,8 @@ def test_an_unlisted_value_is_refused_naming_it_or_runs_eagerly_counted(gen):
 def test_per_value_buckets_and_a_batch_past_them_names_the_variant(gen):
     # Regression: issue 33, a draft length with its own buckets (vLLM #48494): k=3 captures fewer sizes than k=1.
     fwd = _model("cpu", gen)
-    run = graphctl.graphed(fwd, backend="emulated", progress=False, inputs=[StaticInput("x", per_item_of=lambda k: k + 1)],
+    run = graphctl.graphed(fwd, backend="emulated", progress=False,
+                           inputs=[StaticInput("x", per_item_of=lambda k: k + 1)],
                            variants={"k": {1: [1, 2, 4, 8], 3: [1, 2]}})
     run.capture_all(torch.randn(8 * 2, H, generator=gen), 1)
     assert run.captured == (("k=1", 1), ("k=1", 2), ("k=1", 4), ("k=1", 8), ("k=3", 1), ("k=3", 2))
