@@ -283,8 +283,9 @@ def _no_open_switch(cap: Capture, region: str, bucket: int) -> None:
         raise CaptureError("a state.switch is open across an eager region", buffer=region,
                            expected="every switch closed before an @graphctl.eager call",
                            found=f"the switch to '{sw.role}' ({sw.phase}) open", bucket=bucket,
-                           fix="close the switch before the call and open another after it, or open the switch "
-                               "inside the eager function (the region then runs it eagerly)")
+                           fix="close the switch before the call and open another after it, open the switch inside "
+                               "the eager function, or declare @graphctl.eager(in_switch=True) if the function reads "
+                               "the state only through its arguments")
 
 
 def _progress(show: bool | None) -> Any:

@@ -18,9 +18,12 @@ Constraints (each checked, a violation is a typed error):
   baked it in); otherwise ``ReplayError`` naming the region and the output. A returned tensor
   that is one of its arguments (written in place) is not copied.
 - No ``state.switch`` is open across a region (the capture raises ``CaptureError``): a switch's
-  host side (rebound attributes) is not replayed around an eager call, so the region would see
-  the target's objects under a draft switch. Open and close the switch inside one piece, or
-  inside the region.
+  host side (rebound attributes) is not replayed around an eager call, so a region looking up
+  the state itself would see the target's objects under a draft switch. Open and close the
+  switch inside one piece, or inside the region; or declare ``@eager(in_switch=True)`` for a
+  region that reads the state only through its arguments (a replay passes the capture's: under
+  the switch, the draft's objects; its device-side buffers hold what the pieces before it
+  wrote, the switch's swaps included).
 - A region runs under the replay's interrupt deferral (emulated) like every recorded op: a
   Ctrl-C during it is raised once the replay ends.
 """
@@ -44,21 +47,27 @@ F = TypeVar("F", bound=Callable[..., Any])
 _tls = threading.local()  # .region: the running capture's handler; .check: the runner's boundary check
 
 
-def eager(fn: F) -> F:
+def eager(fn: F | None = None, /, *, in_switch: bool = False) -> Any:
     """Mark ``fn`` as a region that always runs eagerly: a graphed forward calling it is
-    captured as pieces around it (see the module docstring)."""
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        handler = getattr(_tls, "region", None)
-        if handler is None:
-            return fn(*args, **kwargs)
-        check = getattr(_tls, "check", None)
-        if check is not None:
-            check(_name(fn))
-        return handler(fn, args, kwargs)
+    captured as pieces around it (see the module docstring). ``in_switch=True`` (as
+    ``@eager(in_switch=True)``) lets it sit inside an open ``state.switch``: the region promises
+    to read the state only through its arguments, which a replay passes as the capture saw them
+    (under the switch: the draft's objects), never through attributes it looks up itself."""
+    def wrap(f: F) -> F:
+        @functools.wraps(f)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            handler = getattr(_tls, "region", None)
+            if handler is None:
+                return f(*args, **kwargs)
+            check = getattr(_tls, "check", None)
+            if check is not None and not in_switch:
+                check(_name(f))
+            return handler(f, args, kwargs)
 
-    call.__graphctl_eager__ = fn  # type: ignore[attr-defined]
-    return call  # type: ignore[return-value]
+        call.__graphctl_eager__ = f  # type: ignore[attr-defined]
+        return call  # type: ignore[return-value]
+
+    return wrap if fn is None else wrap(fn)
 
 
 def is_eager(fn: Any) -> bool:

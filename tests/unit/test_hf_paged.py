@@ -242,3 +242,22 @@ def test_lengths_advanced_on_the_device_equal_the_host_path(k, gen):
         assert torch.equal(kv, context + k + 1), (step, kv, context)
         context = context + got.accepted[step].to(torch.int32)
     assert [t.tolist() for t in got.tokens] == hf.reference(eng, "tiny-qwen3", ps, 8)
+
+
+@pytest.mark.parametrize("piecewise", [False, True])
+def test_graphed_prefill_at_token_buckets_gives_transformers_tokens(piecewise, backend, gen):
+    # Regression: issue 33, the HF engine's prefill ran eagerly only; graphed at token buckets (attention in the graph,
+    # or piecewise: each layer's attention an eager region, the draft's inside its switch) it gives the same tokens.
+    seed = hf.seed_of(gen)
+    dev = "cuda" if backend == "cuda" else "cpu"
+    eng = HFEngine.build(hf_config("tiny-llama"), draft_len=3, max_seqs=4, max_context=96, block_size=8, seed=seed,
+                         device=dev, prefill_tokens=32)
+    pre = eng.graphed_prefill(backend=backend, piecewise=piecewise)  # captured at its first call
+    for lens in ((5, 11, 3), (20, 19)):  # one pass at a padded bucket; chunked past prefill_tokens (39 > 32)
+        prompts = [torch.randint(3, eng.cfg.vocab, (n,), generator=gen).to(dev) for n in lens]
+        got = eng.generate(prompts, 5, prefill=pre)
+        assert [t.tolist() for t in got.tokens] == hf.reference(eng, "tiny-llama", prompts, 5), lens
+    rep = pre.report()
+    assert pre.captured == (16, 32) and all(b.replays > 0 for b in rep.buckets) and pre.fallbacks == {}
+    layers = eng.target_layers.config.num_hidden_layers + eng.draft_layers.config.num_hidden_layers
+    assert {b.pieces for b in rep.buckets} == ({layers + 1} if piecewise else {1})

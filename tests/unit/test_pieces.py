@@ -114,6 +114,23 @@ def test_a_switch_open_across_a_region_is_refused_at_capture(backend, gen):
     want = inside(ids, eng.meta).clone()
     torch.testing.assert_close(ok(ids, eng.meta).clone(), want)
 
+    # the other choice, declared: a region reading the state only through its arguments may sit inside the switch
+    @graphctl.eager(in_switch=True)
+    def scaled(t, w):
+        return t * float(w.abs().sum() > -1)  # a host read of a draft-role tensor passed in
+
+    def across(input_ids, meta):
+        with eng.state.switch("draft"):
+            h = scaled(eng.run_layers(input_ids, eng.draft_layers), meta.block_table)
+        return h
+
+    run2 = graphctl.graphed(across, buckets=[2], state=eng.state, backend=backend, inputs=["input_ids"],
+                            progress=False, params=eng.named_tensors())
+    run2.capture_all(ids, eng.meta)
+    want = across(ids, eng.meta).clone()
+    torch.testing.assert_close(run2(ids, eng.meta).clone(), want)
+    assert eng.state.active_switch is None and len(run2.graph(2).regions) == 1
+
 
 def test_a_region_whose_results_change_shape_or_host_value_is_a_replay_error(gen):
     # Regression: issue 33, a region's output must fit the static storage the next piece reads (never broadcast).

@@ -31,6 +31,7 @@ import torch
 
 import graphctl.ops.attention  # noqa: F401 - registers torch.ops.graphctl.paged_attention
 from graphctl.families.paged import KVCacheManager, PagedMetadata
+from graphctl.graphs.pieces import eager
 
 __all__ = ["ATTENTION", "PagedBatch", "paged_attention", "register"]
 
@@ -49,13 +50,14 @@ class PagedBatch:
     positions: torch.Tensor  # [T] int64 each token's position: it attends its row's keys 0..position
     rows: int
     q: int
+    eager: bool = False  # attention as an @graphctl.eager region: a graphed forward is captured in pieces
 
     @staticmethod
-    def build(meta: PagedMetadata, tokens: int, q: int, rows: int) -> PagedBatch:
+    def build(meta: PagedMetadata, tokens: int, q: int, rows: int, eager: bool = False) -> PagedBatch:
         """The batch of ``tokens`` tokens laid out by ``meta`` now, ``q`` tokens a request at most,
         ``rows`` request rows (a bucket's padded rows included)."""
         return PagedBatch(meta.kv_cache_manager, meta.slot_mapping[:tokens], meta.block_table[:rows],
-                          meta.req_idx_per_token[:tokens], meta.token_positions[:tokens], rows, q)
+                          meta.req_idx_per_token[:tokens], meta.token_positions[:tokens], rows, q, eager)
 
 
 def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -74,9 +76,19 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     v_tok = value[0].transpose(0, 1).reshape(T, kvh * d)
     b.manager.write(layer, b.slots, k_tok, v_tok)  # first: the step's own keys are attended at their positions
     scale = scaling if scaling is not None else d ** -0.5
-    out = torch.ops.graphctl.paged_attention(query[0].transpose(0, 1), b.manager.k[layer], b.manager.v[layer],
-                                             b.table, b.req, b.positions, scale)
+    out = (_attend_eager if b.eager else _attend)(query[0].transpose(0, 1), b.manager.k[layer], b.manager.v[layer],
+                                                  b.table, b.req, b.positions, scale)
     return out[None], None
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, req: torch.Tensor,
+            positions: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.ops.graphctl.paged_attention(q, k, v, table, req, positions, scale)
+
+
+# the same call as a region between captured pieces (graphs/pieces.py); every tensor it reads is an
+# argument (the draft's manager and tables under a draft switch), so it may sit inside one
+_attend_eager = eager(in_switch=True)(_attend)
 
 
 def register() -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -154,17 +153,59 @@ class HFEngine(MTPEngine):
 
     # ----------------------------------------------------------------------- the models
 
-    def run_layers(self, tokens: torch.Tensor, model: Any, per_request: int = 1,
-                   rows: int = 0) -> torch.Tensor:
+    def run_layers(self, tokens: torch.Tensor, model: Any, per_request: int = 1, rows: int = 0,
+                   keep: torch.Tensor | None = None, eager_attention: bool = False) -> torch.Tensor:
         """Logits [T, vocab] of ``model`` for ``tokens`` laid out by the metadata now, at most
         ``per_request`` tokens a request in ``rows`` request rows (0: ``T / per_request``, a
-        step's uniform layout); writes their K/V into the bound manager's cache."""
+        step's uniform layout); writes their K/V into the bound manager's cache. ``keep``: the
+        token indices to compute logits for (transformers' ``logits_to_keep``; [len(keep), vocab]).
+        ``eager_attention``: attention as ``@graphctl.eager`` regions (piecewise graphs)."""
         T, q = tokens.shape[0], per_request
-        batch = PagedBatch.build(self.meta, T, q, rows or -(-T // q))
+        batch = PagedBatch.build(self.meta, T, q, rows or -(-T // q), eager=eager_attention)
         pos = self.meta.token_positions[:T].clamp(min=0)
         with torch.no_grad():
-            out = model(input_ids=tokens[None], position_ids=pos[None], use_cache=False, graphctl_batch=batch)
+            out = model(input_ids=tokens[None], position_ids=pos[None], use_cache=False, graphctl_batch=batch,
+                        logits_to_keep=0 if keep is None else keep)
         return out.logits[0]
+
+    def prefill_step(self, tokens: torch.Tensor, meta: PagedMetadata, eager_attention: bool = False) -> torch.Tensor:
+        """One prefill pass as laid out by ``meta.prepare`` (``seq_lens``: tokens a request in the
+        pass; ``kv_lens``: its length after it): both models over the packed ``tokens``, their K/V
+        into both caches; returns the target's greedy token after each request row's last token
+        of the pass ([max_seqs]; rows past the batch, or with no token in the pass, hold garbage).
+        Logits are computed for those rows only. Graphable at token buckets
+        (:meth:`graphed_prefill`): shapes follow the token count, lengths are read on the device."""
+        S, T = self.cfg.max_seqs, tokens.shape[0]
+        ends = (meta.cu_seq_lens[1:S + 1] - 1).clamp(min=0, max=T - 1)
+        logits = self.run_layers(tokens, self.target_layers, T, rows=S, keep=ends, eager_attention=eager_attention)
+        with self.state.switch("draft"):
+            self.run_layers(tokens, self.draft_layers, T, rows=S, keep=ends[:1], eager_attention=eager_attention)
+        return logits.argmax(-1)
+
+    def graphed_prefill(self, buckets: Sequence[int] | None = None, *, backend: str = "auto",
+                        piecewise: bool = False) -> Any:
+        """:meth:`prefill_step` graphed at token buckets (default powers of two from 16 up to the
+        metadata's ``max_tokens``, and it), for ``prefill(prompts, forward=...)`` and
+        ``generate(..., prefill=...)``. ``piecewise``: every layer's attention is an eager region
+        between captured pieces (``graphs/pieces.py``; uncompiled models: a compiled forward
+        would trace through the region); by default attention is in the graph (the paged
+        attention op reads lengths from the device buffers)."""
+        from graphctl.graphs import StaticInput, graphed
+
+        top = self.meta.max_tokens
+        if buckets is None:
+            buckets, b = [], 16
+            while b < top:
+                buckets.append(b)
+                b *= 2
+            buckets.append(top)
+        fn = self._prefill_pieces if piecewise else self.prefill_step
+        # batch items are tokens; request rows (the "seq" axis) are the caller's prepare, never padded here
+        return graphed(fn, buckets=list(buckets), state=self.state, backend=backend, progress=False,
+                       inputs=[StaticInput("tokens")], pad_axes={"token": 1}, params=self.named_tensors())
+
+    def _prefill_pieces(self, tokens: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
+        return self.prefill_step(tokens, meta, eager_attention=True)
 
     def decode_step(self, input_ids: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         """Plain decode: the target's greedy next token for one token a request."""
@@ -192,12 +233,13 @@ class HFEngine(MTPEngine):
             if lo < 0 or hi >= self.cfg.vocab:
                 raise ValueError(f"prompt {i}: token ids must be in [0, {self.cfg.vocab}), found [{lo}, {hi}]")
 
-    def prefill(self, prompts: Sequence[torch.Tensor]) -> torch.Tensor:
+    def prefill(self, prompts: Sequence[torch.Tensor], forward: Any = None) -> torch.Tensor:
         """Every prompt's K/V into both caches and each request's first new token: one ragged
         forward of all prompts (tokens packed by request, each attending its own request's keys
         up to its position), chunked into passes of at most ``prefill_tokens`` (the metadata's
         token buffers) only above that: a pass takes each request's next tokens in order until
-        the budget is spent."""
+        the budget is spent. ``forward``: :meth:`prefill_step` or its graphed form
+        (:meth:`graphed_prefill`)."""
         self.check_prompts(prompts)
         n, m = len(prompts), self.meta
         lens = [len(p) for p in prompts]
@@ -211,24 +253,22 @@ class HFEngine(MTPEngine):
             tokens = torch.cat([p[d:d + t] for p, d, t in zip(prompts, done, take) if t]).to(self.device)
             done = [d + t for d, t in zip(done, take)]
             m.prepare(self.state, torch.tensor(take, dtype=torch.int32), torch.tensor(done, dtype=torch.int32))
-            logits = self.run_layers(tokens, self.target_layers, max(take), rows=n)
-            with self.state.switch("draft"):
-                self.run_layers(tokens, self.draft_layers, max(take), rows=n)
-            ends = torch.tensor([e - 1 for e in itertools.accumulate(take)])
+            best = (forward or self.prefill_step)(tokens, m)
             finished = [r for r in range(n) if take[r] and done[r] == lens[r]]
             if finished:  # the requests whose last prompt token was in this pass
-                idx = torch.tensor(finished)
-                first[idx.to(self.device)] = logits[ends[idx].to(self.device)].argmax(-1)
+                idx = torch.tensor(finished, device=self.device)
+                first[idx] = best[idx]
         return first
 
     def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int,  # type: ignore[override]
                  forward: Any = None, *, eos_token_id: int | None = None, progress: bool = False,
-                 k: int | None = None) -> GenerateResult:
+                 k: int | None = None, prefill: Any = None) -> GenerateResult:
         """Greedy generation: prefill, then decode (``draft_len`` 0) or speculative steps through
         ``forward`` (``self.step``/``self.decode_step`` by default, or their ``@graphed``
         wrappers), until every request has ``max_new_tokens`` tokens or its EOS. ``k``: drafts a
         step, ``1 <= k <= draft_len`` (default ``draft_len``), passed to ``forward`` when given
-        (a runner with ``variants={"k": ...}`` serves each value from its own graphs)."""
+        (a runner with ``variants={"k": ...}`` serves each value from its own graphs). ``prefill``:
+        the prefill pass (:meth:`prefill_step` by default, or :meth:`graphed_prefill`'s runner)."""
         self.check_prompts(prompts)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected a positive int, found {max_new_tokens!r}")
@@ -240,7 +280,7 @@ class HFEngine(MTPEngine):
             raise ValueError(f"max_context={self.cfg.max_context} too small: prompts up to {int(context.max())} "
                              f"tokens + {max_new_tokens} new + {3 * k + 3} of speculation need {need}")
         t0 = self._clock()
-        token = self.prefill(prompts)
+        token = self.prefill(prompts, prefill)
         t1 = self._clock()
         out_tokens: list[list[int]] = [[int(t)] for t in token.tolist()]
         done = [eos_token_id is not None and t[0] == eos_token_id for t in out_tokens]
