@@ -199,6 +199,19 @@ def _graphctl_variant(row: dict, eng: HFEngine, ps, buckets, args, g: torch.Gene
         row["d_graphed_step_ms"] = _step_ms({"graphctl": lambda: fwd(ids, eng.meta)})["graphctl"]
         # what generate adds between two graphed steps: its host work while the device idles
         row["d_host_gap_ms"] = ms - row["d_graphed_step_ms"]
+        # the prefill graphed at the batch's token bucket (issue 33): attention in the graph, and piecewise
+        # (each layer's attention an eager region) against the eager prefill (ttft_ms above)
+        tokens = min(sum(len(p) for p in ps), eng.meta.max_tokens)
+        for name, pw in (("graphed", False), ("piecewise", True)):
+            try:
+                pre = eng.graphed_prefill([tokens], backend="cuda" if cuda else "emulated", piecewise=pw)
+                eng.generate(ps, 2, prefill=pre)  # capture
+                row[f"prefill_{name}_ms"] = 1e3 * statistics.median(
+                    eng.generate(ps, 1, prefill=pre).prefill_s for _ in range(args.reps))
+                row[f"prefill_{name}_speedup"] = row["ttft_ms"] / row[f"prefill_{name}_ms"]
+                del pre
+            except Exception as exc:  # recorded, not hidden
+                row[f"prefill_{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         return
     fwd = graphed_step(eng, "unrolled", buckets=buckets)
     tps, ms, acc, _ = _graphctl_tps(eng, ps, args.new, fwd, args.reps)
