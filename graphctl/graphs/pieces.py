@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import ReplayError
 
-__all__ = ["eager", "is_eager", "EagerRegion", "regions", "boundary_check", "run_region"]
+__all__ = ["eager", "is_eager", "EagerRegion", "regions", "boundary_check", "run_region", "saved", "restore"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _tls = threading.local()  # .region: the running capture's handler; .check: the runner's boundary check
@@ -77,6 +77,17 @@ def is_eager(fn: Any) -> bool:
 
 def _name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def saved() -> tuple[Any, Any]:
+    """This thread's handler and check, for :func:`restore` in a backend's ``finally``: a Ctrl-C
+    landing inside the cleanup of :func:`regions` could skip its reset, and every later eager
+    call (a warmup's) would then reach a dead capture."""
+    return getattr(_tls, "region", None), getattr(_tls, "check", None)
+
+
+def restore(state: tuple[Any, Any]) -> None:
+    _tls.region, _tls.check = state
 
 
 @contextlib.contextmanager

@@ -341,6 +341,11 @@ def _modes_left() -> str:
     if _LooksLikeCapture._lock.locked():
         left.append("_LooksLikeCapture lock held")
         _LooksLikeCapture._lock.release()
+    from graphctl.graphs import pieces
+
+    if pieces.saved() != (None, None):  # issue 33: an eager-region handler left installed reaches every later call
+        left.append("eager-region handler left installed")
+        pieces.restore((None, None))
     if (stance := torch._dynamo.eval_frame._stance.stance) != "default":  # issue 28: force_eager left behind
         left.append(f"dynamo stance {stance}")
         torch.compiler.set_stance("default")

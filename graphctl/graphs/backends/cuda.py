@@ -301,12 +301,14 @@ class CudaBackend:
             begin()
             return out
 
+        outside = pieces.saved()
         with torch.cuda.stream(self.stream):
             begin()
             try:
                 with pieces.regions(region):
                     out = body(mark)
             except BaseException as exc:
+                pieces.restore(outside)  # a Ctrl-C in the cleanup of regions() could skip its reset
                 dead = live[0] is not None and capture_invalidated(self.device)
                 if live[0] is not None:
                     self._abandon(live[0], exc)

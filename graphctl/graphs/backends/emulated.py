@@ -397,7 +397,7 @@ class EmulatedBackend:
         """Record ``body(mark)``, where ``mark()`` is the number of ops recorded so far; each of
         ``compiled`` (``graphs/compiled.py`` sites) is recorded as one call."""
         rec, looks = _Recorder(), _LooksLikeCapture()
-        self._rec, stance, route = rec, None, _Rerouted(rec)
+        self._rec, stance, route, outside = rec, None, _Rerouted(rec), pieces.saved()
         try:
             try:
                 stance = _compiled.eager()  # applied when made; leaving it again is harmless
@@ -407,6 +407,7 @@ class EmulatedBackend:
                         out = body(lambda: len(rec.ops))
             finally:  # an interrupt at the with-statement's exit skips the innermost __exit__ calls
                 drop_mode(rec)
+                pieces.restore(outside)
                 looks.leave()
                 route.leave()
                 if stance is not None:

@@ -52,7 +52,7 @@ class LooksLikeCapture:
             me = threading.get_ident()
             with self._lock:
                 self._held = False
-                depth = self._threads.pop(me) - 1
+                depth = self._threads.pop(me, 1) - 1  # absent: a Ctrl-C skipped the end of paused()
                 if depth:
                     self._threads[me] = depth
                 if not self._threads:
