@@ -261,3 +261,21 @@ def test_graphed_prefill_at_token_buckets_gives_transformers_tokens(piecewise, b
     assert pre.captured == (16, 32) and all(b.replays > 0 for b in rep.buckets) and pre.fallbacks == {}
     layers = eng.target_layers.config.num_hidden_layers + eng.draft_layers.config.num_hidden_layers
     assert {b.pieces for b in rep.buckets} == ({layers + 1} if piecewise else {1})
+
+
+def test_piecewise_prefill_of_a_compiled_model_is_refused_and_the_whole_graph_works(gen):
+    # Regression: issue 33, dynamo traces through an eager region inside a compiled model: piecewise=True would be
+    # silently whole; it is refused by name, and the whole-graph prefill of the compiled model gives eager's tokens.
+    torch._dynamo.reset()
+    eng = HFEngine.build(hf_config("tiny-llama"), draft_len=1, max_seqs=2, max_context=64, device="cpu",
+                         compile="aot_eager", prefill_tokens=16)
+    with pytest.raises(graphctl.DeclarationError, match="uncompiled") as err:
+        eng.graphed_prefill(backend="emulated", piecewise=True)
+    assert err.value.buffer == "target, draft"
+    prompts = [torch.randint(3, eng.cfg.vocab, (n,), generator=gen) for n in (5, 7)]
+    pre = eng.graphed_prefill(backend="emulated")
+    want = eng.generate(prompts, 3)
+    got = eng.generate(prompts, 3, prefill=pre)
+    assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
+    assert pre.report().uncompiled == 0
+    torch._dynamo.reset()
