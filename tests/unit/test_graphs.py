@@ -304,7 +304,8 @@ def test_report_json_schema(toy):
     assert [b["bucket"] for b in d["buckets"]] == [1, 2, 4, 8, 16]
     for b in d["buckets"]:
         assert set(b) == {"bucket", "capture_ms", "pool_bytes", "nodes", "replay_us", "eager_us", "replays",
-                          "segments", "eager_runs", "warmup_ms"}
+                          "segments", "eager_runs", "warmup_ms", "variant", "eager_regions"}
+        assert b["variant"] == "" and b["eager_regions"] == []  # issue 33: a plain runner, whole graphs
         assert b["nodes"] > 0 and b["replay_us"] > 0 and b["eager_us"] > 0 and b["pool_bytes"] > 0
         assert b["warmup_ms"] > 0  # issue 32: each bucket's warmup cost, next to its capture's
         assert [s["name"] for s in b["segments"]] == ["target", "draft"]
