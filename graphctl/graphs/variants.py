@@ -38,6 +38,7 @@ from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs.analysis.audit import Audit
 from graphctl.graphs.analysis.report import Report
 from graphctl.graphs.analysis.verify import VerifyResult
+from graphctl.graphs.bucket import gc_held
 from graphctl.graphs.calls import Signature
 from graphctl.graphs.inputs import Buckets, StaticInput
 from graphctl.graphs.options import Options, SharedPool, variant_key
@@ -129,20 +130,24 @@ class VariantRunner:
         arguments = self._sig.bind(args, kwargs)
         given = {n: arguments[n] for n in self._names}
         try:
-            for v in self._order:
-                values = dict(v.values)
-                example = {**arguments, **values, **self._resized(arguments, given, values)}
-                a, kw = self._sig.assemble(example)
-                try:
-                    v.runner.capture_all(*a, **kw)
-                except BaseException as exc:
-                    exc.add_note(f"graphctl: raised while capturing variant {v.label}; no variant was kept")
-                    raise
+            with gc_held():  # one collection for every variant's capture (each runner's nests in it)
+                self._capture_each(arguments, given)
         except BaseException:
             self.reset()
             raise
         self._captured = True
         return self
+
+    def _capture_each(self, arguments: dict[str, Any], given: dict[str, Any]) -> None:
+        for v in self._order:
+            values = dict(v.values)
+            example = {**arguments, **values, **self._resized(arguments, given, values)}
+            a, kw = self._sig.assemble(example)
+            try:
+                v.runner.capture_all(*a, **kw)
+            except BaseException as exc:
+                exc.add_note(f"graphctl: raised while capturing variant {v.label}; no variant was kept")
+                raise
 
     def _resized(self, arguments: dict[str, Any], given: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
         """The example's static inputs with as many items for ``values`` as they hold for the

@@ -234,3 +234,20 @@ def test_options_record_keeps_variants_frozen_and_checked():
     assert o.variants == (("k", ((1, (1, 4)), (3, (2,)))), ("first", ((True, None), (False, None))))
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.variants = None  # type: ignore[misc]
+
+
+def test_a_variant_runner_collects_garbage_once_for_all_its_captures(gen, monkeypatch):
+    # Regression: issue 33, each variant's capture ran its own gc.collect() (about 0.1 s each in a process that
+    # imported transformers): the variant runner's capture cost more than a runner per value.
+    import gc
+
+    calls = []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(1) or real(*a))
+    run = graphctl.graphed(_model("cpu", gen), buckets=[1, 2], backend="emulated", progress=False,
+                           inputs=[StaticInput("x", per_item_of=lambda k: k + 1)], variants={"k": (1, 3, 7)})
+    run.capture_all(torch.randn(2 * 2, H, generator=gen), 1)
+    assert len(calls) == 1 and gc.isenabled()
+    plain = graphctl.graphed(lambda x: x * 2, buckets=[1, 2], backend="emulated", progress=False)
+    plain.capture_all(torch.randn(2, 3, generator=gen))
+    assert len(calls) == 2  # a plain runner still collects once
