@@ -1,0 +1,106 @@
+"""Sampling on the device, graph-safe: no host sync, shapes fixed by the inputs, randomness only
+from an explicit ``torch.Generator`` (issue 34).
+
+- :func:`probs_from_logits`: temperature, top-k and top-p (nucleus) filtering to probabilities,
+  in float32; temperature 0 gives the greedy one-hot (argmax), so one code path serves both.
+  Settings are host numbers (baked into a captured graph: one graph set per setting, a variant)
+  or per-row device tensors (changed between replays without recapture).
+- :func:`sample`: one draw per row by the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``
+  from ``generator``): an exact draw from ``p`` with one random tensor and no host work; a
+  zero-probability token is never drawn.
+- :func:`speculative_accept`: speculative sampling (Leviathan et al., Chen et al.): drafted token
+  ``d_i`` accepted with probability ``min(1, p(d_i) / q(d_i))``, the first rejected position
+  resampled from ``normalize(max(0, p - q))``, and with every draft accepted a bonus token drawn
+  from the target's next distribution. The emitted tokens are distributed as sampling from the
+  target alone, whatever the draft (``tests/unit/test_sampling.py`` checks it statistically).
+  With one-hot (greedy) ``p`` and ``q`` it is greedy verification exactly.
+
+Everything here is plain PyTorch: it is its own reference, runs on every device and records
+into CUDA graphs and the emulated recorder alike.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["probs_from_logits", "sample", "speculative_accept"]
+
+_Setting = float | int | torch.Tensor
+
+
+def _column(v: _Setting, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """A setting as a [rows, 1] float32 column on ``like``'s device (a host number broadcast)."""
+    if isinstance(v, torch.Tensor):
+        return v.to(like.device, torch.float32).reshape(-1, 1).expand(rows, 1)
+    return torch.full((rows, 1), float(v), device=like.device, dtype=torch.float32)
+
+
+def _check(temperature: _Setting, top_k: _Setting, top_p: _Setting) -> None:
+    for name, v, ok in (("temperature", temperature, lambda x: x >= 0), ("top_k", top_k, lambda x: x >= 0),
+                        ("top_p", top_p, lambda x: 0 < x <= 1)):
+        if isinstance(v, torch.Tensor):
+            continue  # per-row device settings: checked by whoever fills them (a check here would sync)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+            raise ValueError(f"{name}={v!r}: expected temperature >= 0, top_k >= 0 (0: off), 0 < top_p <= 1")
+
+
+def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: _Setting = 0,
+                      top_p: _Setting = 1.0) -> torch.Tensor:
+    """[rows, vocab] logits -> float32 probabilities after temperature, top-k (0: off) and top-p
+    (1.0: off). A row at temperature 0 is the one-hot of its argmax (greedy)."""
+    _check(temperature, top_k, top_p)
+    x = logits.float()
+    rows, vocab = x.shape
+    t = _column(temperature, rows, x)
+    greedy = t <= 0
+    x = x / torch.where(greedy, torch.ones_like(t), t)
+    if isinstance(top_k, torch.Tensor) or top_k:
+        k = _column(top_k, rows, x).long().clamp(min=0, max=vocab)
+        k = torch.where(k == 0, torch.full_like(k, vocab), k)  # 0: off
+        kth = x.sort(-1, descending=True).values.gather(-1, k - 1)  # the k-th largest logit of each row
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, -1)
+    if isinstance(top_p, torch.Tensor) or top_p < 1.0:
+        sp, idx = p.sort(-1, descending=True)
+        before = sp.cumsum(-1) - sp  # mass of the strictly more likely tokens
+        drop = before >= _column(top_p, rows, x)  # keep the smallest prefix reaching top_p (the top token always)
+        sp = sp.masked_fill(drop, 0.0)
+        p = torch.zeros_like(p).scatter_(-1, idx, sp)
+        p = p / p.sum(-1, keepdim=True)
+    onehot = torch.zeros_like(p).scatter_(-1, logits.float().argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy, onehot, p)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs`` [..., vocab] (int64 [...]), drawn with ``generator``."""
+    e = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    return (probs.float() / e).argmax(-1)
+
+
+def speculative_accept(target: torch.Tensor, draft: torch.Tensor, drafts: torch.Tensor,
+                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling over ``k`` drafted tokens a row.
+
+    ``target`` [n, k + 1, V]: the target's probabilities at each drafted position and after the
+    last; ``draft`` [n, k, V]: the draft's probabilities the drafts were drawn from; ``drafts``
+    [n, k] int64. Returns ``(accepted [n] int64 in 1..k+1, token [n] int64)``: ``accepted - 1``
+    drafts kept, then ``token`` (the resample at the first rejection, or the bonus token)."""
+    n, k1, vocab = target.shape
+    k = k1 - 1
+    t, q = target.float(), draft.float()
+    if k == 0:
+        return torch.ones(n, dtype=torch.int64, device=target.device), sample(t[:, 0], generator)
+    idx = drafts.long().unsqueeze(-1)
+    p_d = t[:, :k].gather(-1, idx).squeeze(-1)  # target probability of each drafted token
+    q_d = q.gather(-1, idx).squeeze(-1)
+    u = torch.rand(n, k, generator=generator, device=target.device)
+    # accept with probability min(1, p/q): u * q < p (q > 0 where the draft drew the token)
+    ok = (u * q_d < p_d).long()
+    accepted = 1 + ok.cumprod(1).sum(1)  # drafts kept before the first rejection, plus the emitted token
+    residual = (t[:, :k] - q).clamp(min=0)  # where each position would resample from
+    mass = residual.sum(-1, keepdim=True)
+    # a zero residual (p == q there, so that position never rejects) falls back to p: never drawn from
+    residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(torch.float32).tiny), t[:, :k])
+    choose = torch.cat([residual, t[:, k:]], 1)  # position j < k: resample; position k: the bonus
+    at = (accepted - 1).view(n, 1, 1).expand(n, 1, vocab)
+    token = sample(choose.gather(1, at).squeeze(1), generator)
+    return accepted, token

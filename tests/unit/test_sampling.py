@@ -1,0 +1,157 @@
+"""Sampling ops (issue 34, graphctl/ops/sampling.py): temperature / top-k / top-p filtering against a
+direct computation, exact draws (chi-square), and speculative sampling whose emitted tokens follow the
+target's distribution for an oracle and a deliberately bad draft.
+
+Statistical tests: each compares observed counts with the expected ones by Pearson's chi-square and
+fails below a p-value of ``ALPHA`` = 1e-6: with a fresh seed, a correct implementation fails one such
+check in a million (the seeds below are fixed, so a run is reproducible; the bound is what a new seed
+risks). Draw counts make a wrong distribution fail by hundreds of standard deviations (checked by
+breaking the acceptance rule on purpose)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphctl
+from graphctl.ops.sampling import probs_from_logits, sample, speculative_accept
+
+ALPHA = 1e-6
+
+
+def chi2_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square p-value of ``counts`` against ``probs`` (cells of zero probability
+    must have zero counts; they are left out, as are their degrees of freedom)."""
+    counts, probs = counts.double(), probs.double()
+    live = probs > 0
+    assert int(counts[~live].sum()) == 0, f"draws where the probability is 0: {counts}"
+    exp = probs[live] * counts.sum()
+    stat = ((counts[live] - exp) ** 2 / exp).sum()
+    df = int(live.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (5, 33), (13, 257)])
+def test_filtering_equals_a_direct_computation(rows, vocab, dtype, gen):
+    # Regression: issue 34, temperature/top-k/top-p filtering must equal the definitions, every dtype, odd sizes.
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+    x = logits.float()
+    for t, k, p in ((1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (0.8, 3, 0.5)):
+        got = probs_from_logits(logits, t, k, p)
+        want = torch.zeros(rows, vocab)
+        for r in range(rows):
+            z = x[r] / t
+            if k:
+                keep = z >= z.topk(min(k, vocab)).values[-1]
+                z = z.masked_fill(~keep, float("-inf"))
+            q = torch.softmax(z, -1)
+            if p < 1:
+                order = q.argsort(descending=True)
+                cum = q[order].cumsum(0) - q[order]
+                q2 = torch.zeros_like(q)
+                q2[order[cum < p]] = q[order[cum < p]]
+                q = q2 / q2.sum()
+            want[r] = q
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    greedy = probs_from_logits(logits, 0.0, 5, 0.3)
+    assert torch.equal(greedy.argmax(-1), x.argmax(-1)) and torch.equal(greedy.sum(-1), torch.ones(rows))
+    # per-row device settings equal the same settings given row by row
+    ts, ks, ps = torch.rand(rows, generator=gen) + 0.2, torch.randint(0, 6, (rows,), generator=gen), \
+        torch.rand(rows, generator=gen) * 0.8 + 0.2
+    per_row = probs_from_logits(logits, ts, ks, ps)
+    for r in range(rows):
+        one = probs_from_logits(logits[r:r + 1], float(ts[r]), int(ks[r]), float(ps[r]))
+        torch.testing.assert_close(per_row[r:r + 1], one)
+
+
+@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5},
+                                 {"temperature": True}, {"top_k": "3"}])
+def test_bad_settings_are_clear_errors(bad):
+    # Regression: issue 34, a negative temperature or a top_p of 0 must not silently sample garbage.
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        probs_from_logits(torch.randn(2, 5), **bad)
+
+
+def test_sample_draws_from_the_distribution_and_is_seeded(gen):
+    # Regression: issue 34, sample() must be an exact draw (chi-square), never a zero-probability token, seeded.
+    p = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05])
+    n = 40_000
+    g = torch.Generator().manual_seed(11)
+    tokens = sample(p.expand(n, 5), g)
+    assert chi2_p(torch.bincount(tokens, minlength=5), p) > ALPHA
+    a = sample(p.expand(64, 5), torch.Generator().manual_seed(3))
+    b = sample(p.expand(64, 5), torch.Generator().manual_seed(3))
+    c = sample(p.expand(64, 5), torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def _speculative(target_p: torch.Tensor, draft_q: torch.Tensor, n: int, seed: int):
+    """``n`` rows of one speculative step: the target's distribution ``target_p`` [k+1, V] at each
+    position, the draft's ``draft_q`` [k, V]; drafts drawn from the draft."""
+    g = torch.Generator().manual_seed(seed)
+    k1, vocab = target_p.shape
+    drafts = sample(draft_q.expand(n, k1 - 1, vocab).reshape(-1, vocab), g).view(n, k1 - 1)
+    return drafts, *speculative_accept(target_p.expand(n, k1, vocab), draft_q.expand(n, k1 - 1, vocab), drafts, g)
+
+
+def _emitted_at(j: int, drafts, accepted, token):
+    """The tokens emitted at position j, over the rows that emit one there."""
+    rows = accepted >= j + 1
+    return torch.where(accepted[rows] - 1 > j, drafts[rows, min(j, drafts.shape[1] - 1)], token[rows])
+
+
+@pytest.mark.parametrize("draft", ["oracle", "bad", "disjoint"])
+def test_speculative_sampling_keeps_the_targets_distribution(draft, gen):
+    # Regression: issue 34, speculative sampling must emit the target's distribution at every position, for an oracle
+    # draft (all accepted), a bad one (acceptance < k + 1) and one whose support misses the target's mass.
+    k, vocab, n = 3, 5, 60_000
+    g = torch.Generator().manual_seed(5)
+    target = torch.softmax(torch.randn(k + 1, vocab, generator=g) * 1.5, -1)  # a different law at each position
+    q = {"oracle": target[:k],
+         "bad": torch.softmax(torch.randn(k, vocab, generator=g) * 2.5, -1),
+         "disjoint": torch.tensor([[0.0, 0.0, 0.1, 0.9, 0.0]] * k)}[draft]
+    drafts, accepted, token = _speculative(target, q, n, seed=17)
+    assert int(accepted.min()) >= 1 and int(accepted.max()) <= k + 1
+    if draft == "oracle":
+        assert bool((accepted == k + 1).all())  # min(1, p/q) = 1: every draft kept
+    else:
+        assert float(accepted.float().mean()) < k + 1 - 0.5
+    for j in range(k + 1):
+        at = _emitted_at(j, drafts, accepted, token)
+        if at.numel() < 2000:
+            continue  # too few rows reach position j (the disjoint draft rarely gets that far)
+        assert chi2_p(torch.bincount(at, minlength=vocab), target[j]) > ALPHA, (draft, j)
+
+
+def test_speculative_sampling_with_one_hot_laws_is_greedy_verification(gen):
+    # Regression: issue 34, temperature 0 through the same code: exact greedy acceptance and the target's argmax.
+    n, k, vocab = 50, 4, 11
+    tl = torch.randn(n, k + 1, vocab, generator=gen)
+    dl = tl[:, :k] + torch.randn(n, k, vocab, generator=gen) * 2  # the draft often disagrees
+    t = probs_from_logits(tl.reshape(-1, vocab), 0.0).view(n, k + 1, vocab)
+    q = probs_from_logits(dl.reshape(-1, vocab), 0.0).view(n, k, vocab)
+    drafts = dl.argmax(-1)
+    accepted, token = speculative_accept(t, q, drafts, torch.Generator().manual_seed(1))
+    best = tl.argmax(-1)
+    want = 1 + (drafts == best[:, :k]).long().cumprod(1).sum(1)
+    assert torch.equal(accepted, want)
+    assert torch.equal(token, best.gather(1, (want - 1)[:, None])[:, 0])
+
+
+def test_sampling_replays_from_a_graph_as_eager_from_the_same_generator_state(gen):
+    # Regression: issue 34, a captured sampling step draws from the generator at every replay as eager does.
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 9, generator=gen) * 0.1  # flat logits: every row keeps several tokens after top-k/top-p
+
+    def step(x):
+        return sample(probs_from_logits(x @ w, 0.8, 4, 0.9), g)
+
+    run = graphctl.graphed(step, buckets=[4], backend="emulated", progress=False)
+    x = torch.randn(4, 6, generator=gen)
+    run.capture_all(x)
+    g.manual_seed(123)
+    replayed = [run(x).clone() for _ in range(5)]
+    g.manual_seed(123)
+    eager = [step(x) for _ in range(5)]
+    assert all(torch.equal(a, b) for a, b in zip(replayed, eager))
+    assert len({tuple(t.tolist()) for t in eager}) > 1  # the draws do change from call to call
