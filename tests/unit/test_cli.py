@@ -218,3 +218,25 @@ def test_bad_hf_config_is_a_clear_error(capsys, argv, why):
     pytest.importorskip("transformers")
     rc, out = _capture(capsys, *argv)
     assert rc == 2 and why in out, out
+
+
+def test_several_draft_lengths_capture_one_variant_runner(capsys, tmp_path):
+    # Regression: issue 33, --draft-len took one value: one runner per k meant one command per k.
+    j, dots = tmp_path / "v.json", tmp_path / "dots"
+    rc, out = _capture(capsys, "--draft-len", "1", "3", "--max-batch", "2", "--verify", "--audit", "--json", str(j),
+                       "--dot", str(dots))
+    assert rc == 0 and "k in (1, 3)" in out and "result: clean" in out, out
+    doc = json.loads(j.read_text())
+    rows = {(b["variant"], b["bucket"]) for b in doc["report"]["buckets"]}
+    assert rows == {("k=1", 1), ("k=1", 2), ("k=3", 1), ("k=3", 2)}
+    assert {(v["variant"], v["bucket"]) for v in doc["verify"]} == rows and all(v["ok"] for v in doc["verify"])
+    assert set(doc["audit"]) == {"k=1 1", "k=1 2", "k=3 1", "k=3 2"}
+    assert {(c["variant"], c["batch"], c["tokens"]) for c in doc["coverage"]} == {
+        ("k=1", "1", 2), ("k=1", "2", 4), ("k=3", "1", 4), ("k=3", "2", 8)}
+    assert sorted(os.listdir(dots)) == ["k1_bucket_1.dot", "k1_bucket_2.dot", "k3_bucket_1.dot", "k3_bucket_2.dot"]
+
+
+def test_several_draft_lengths_for_a_target_without_variants_is_one_line_exit_2(capsys):
+    # Regression: issue 33, a factory that ignores draft_lens would capture one k and report it as several.
+    rc, out = _capture(capsys, f"{TARGETS}:small", "--draft-len", "1", "3", "--max-batch", "2")
+    assert rc == 2 and "returned no variants" in out, out
