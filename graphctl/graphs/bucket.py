@@ -143,25 +143,18 @@ def segments_from_marks(marks: list[tuple[str, int]], total: int) -> tuple[Segme
     return tuple(segs)
 
 
-_HELD = [0]  # gc_held() sections open now (a variant runner holds one around its runners' captures)
-
-
 @contextlib.contextmanager
 def gc_held() -> Iterator[None]:
     # A collection during capture can run __del__ of tensors (frees inside the capture's pool)
-    # and costs seconds across many buckets; collect once, then hold it off. Nested: the
-    # outermost section collects (a variant runner's captures pay one collection, not one each).
-    if not _HELD[0]:
-        gc.collect()
+    # and costs seconds across many buckets; collect once, then hold it off. Nested (a variant
+    # runner holds one around its runners' captures) the outer one has disabled collection: the
+    # inner one neither collects nor re-enables (no counter a Ctrl-C could leave wrong).
     was = gc.isenabled()
-    entered = False
+    if was:
+        gc.collect()
     try:  # disable inside the try: a Ctrl-C right after it must still re-enable collection
-        _HELD[0] += 1
-        entered = True
         gc.disable()
         yield
     finally:
-        if entered:
-            _HELD[0] -= 1
         if was:
             gc.enable()
