@@ -27,6 +27,7 @@ from graphctl.graphs.frozen import freeze
 from graphctl.graphs.hoststate import HostChange
 from graphctl.graphs.inputs import InputSlot, StaticInput
 from graphctl.graphs.options import Options
+from graphctl.graphs.randomness import declared_generators
 from graphctl.graphs.rebinding import Paths, first_moved
 from graphctl.knobs import knobs
 from graphctl.state import BoundState
@@ -96,6 +97,7 @@ class Capture:
                   # dict or list passed here would otherwise replay capture-time values).
                   {k: (v, freeze(v)) for k, v in arguments.items() if k not in names},
                   (args, kwargs), 0, Ledger(opts.side_effects, opts.max_side_effect_bytes))
+        cap.ledger.declared = list(declared_generators(state).values())
         cap.n, lives = cap.batch((), arguments, bound=True)
         for slot, live in zip(slots, lives):
             err = slot.spec.check(live, slot.static, cap.n)
@@ -236,4 +238,5 @@ class Capture:
                       bool(self.graphs) and 0 < knobs.bypass_window <= streak,
                       tuple({**asdict(h), "policy": opts.host_state} for h in self.host_changes),
                       tuple(asdict(h) for h in self.ledger.hazards.values()),
-                      tuple(asdict(u) for u in self.ledger.unreached), self.sites, dict(self.compile), dict(self.reach))
+                      tuple(asdict(u) for u in self.ledger.unreached), self.sites, dict(self.compile), dict(self.reach),
+                      tuple(asdict(u) for u in self.ledger.random.values()))

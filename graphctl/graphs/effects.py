@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import CaptureError
 from graphctl.graphs.frames import user_frame
+from graphctl.graphs.randomness import RandomUse, random_use
 from graphctl.graphs.reach import storage_key
 from graphctl.state.interrupts import drop_mode
 
@@ -139,8 +140,12 @@ class WriteTracker(TorchDispatchMode):
     followed, so the run costs a dict lookup per op that writes nothing."""
 
     def __init__(self, watched: dict[tuple[str, int], tuple[str, torch.Tensor]], exclude: set[tuple[str, int]],
-                 padded: dict[tuple[str, int], str] | None = None, lean: bool = False) -> None:
+                 padded: dict[tuple[str, int], str] | None = None, lean: bool = False,
+                 declared: list[torch.Generator] | None = None) -> None:
         super().__init__()
+        self.declared = declared  # the declared generators (None: random ops are not looked at)
+        # key -> (what drew, the generator or None for a default one, its state before the first draw)
+        self.random: dict[Any, tuple[RandomUse, torch.Generator | None, torch.Tensor | None]] = {}
         self.watched = {k: v for k, v in watched.items() if k not in exclude}
         self.exclude = exclude
         self.lean = lean
@@ -168,6 +173,11 @@ class WriteTracker(TorchDispatchMode):
             return func(*args, **kwargs)
         name = func._schema.name
         own = name.startswith("graphctl::")
+        if self.declared is not None:
+            known = self.declared + [g for _, g, _ in self.random.values() if g is not None]
+            r = random_use(func, args, kwargs, known)
+            if r is not None and r[0] not in self.random:  # an undeclared stream: its state before its first draw
+                self.random[r[0]] = (r[1], r[2], r[2].get_state() if r[2] is not None else None)
         for t in tree_flatten((args, kwargs))[0]:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
@@ -246,6 +256,9 @@ class Ledger:
         self.used: set[tuple[str, int]] = set()  # storages the tracked warmups' ops touched
         self.external: dict[tuple[str, int], Unreached] = {}  # read before produced (see WriteTracker)
         self.unreached: tuple[Unreached, ...] = ()  # those no path leads to (set after the passes)
+        self.declared: list[torch.Generator] = []  # the state's declared generators (graphs/randomness.py)
+        self.random: dict[Any, RandomUse] = {}  # draws from default or undeclared generators, first seen
+        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []  # undeclared ones, state before
         self.before: dict[tuple[str, int], weakref.ref] = {}  # the tensors behind ``external``, while they live
 
     @property
@@ -265,6 +278,8 @@ class Ledger:
         self.external.clear()
         self.before.clear()
         self.unreached = ()
+        self.random.clear()
+        self.generators.clear()
 
     def written(self) -> list[tuple[SideEffect, torch.Tensor]]:
         """Each restored side effect with the tensor at its path (what ``verify()`` compares)."""
@@ -286,7 +301,8 @@ class Ledger:
         """Run ``run`` (one eager warmup) under a :class:`WriteTracker`, undo what it wrote
         (whatever happened), apply the policy to what is new, and hand back ``(live, copy)``
         pairs of the new tensors to snapshot: the tracker's copies, so nothing is cloned twice."""
-        tracker = WriteTracker(self.later(watched) if lean else watched, owned | set(self.found), padded, lean)
+        tracker = WriteTracker(self.later(watched) if lean else watched, owned | set(self.found), padded, lean,
+                               self.declared + [g for g, _ in self.generators])
         try:
             with tracker:
                 run()
@@ -294,7 +310,15 @@ class Ledger:
             drop_mode(tracker)  # an interrupt at the with-statement's exit skips its __exit__
             sync()
             tracker.undo()  # the caller's state as it was, whatever happened
+            for _, gen, st in tracker.random.values():
+                if gen is not None and st is not None:
+                    gen.set_state(st)  # an undeclared stream too, as a side effect (guarded from now on: passes)
             sync()
+        for (kind, at), (use, gen, st) in tracker.random.items():
+            if gen is not None and st is not None:  # unknown to this run's tracker: new to the ledger too
+                self.generators.append((gen, st))
+                at = len(self.generators)
+            self.random.setdefault((kind, at), use)
         new, hit = dict(tracker.found), dict(tracker.hit)
         pairs = list(tracker.saved.values())
         for pair, h in tracker.hazards.items():

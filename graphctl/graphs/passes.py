@@ -40,6 +40,7 @@ from graphctl.graphs.bucket import BucketGraph, gc_held, segments_from_marks, se
 from graphctl.graphs.capture import Capture
 from graphctl.graphs.effects import storage_key
 from graphctl.graphs.options import Options
+from graphctl.graphs.randomness import declared_generators
 from graphctl.state import BoundState, CopyInPlace
 from graphctl.state import paths as entry_paths
 from graphctl.state.snapshot import Snapshot
@@ -172,6 +173,8 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
                             # every other eager run for its writes (lean): a write may start on any run
                             full = it == 0 and (b == order[0] or b > p.cap.n)
                             given.adopt(_tracked_warmup(p, call, watched, lean=not full))
+                            given.adopt_generators(p.cap.ledger.generators)  # undeclared streams: restored too
+                            p.cap.guard.adopt_generators(p.cap.ledger.generators)
                         else:
                             if untracked is None:
                                 untracked = p.cap.ledger.digest(watched)
@@ -269,8 +272,10 @@ def _capture_one(p: _Passes, bucket: int, call: tuple[tuple, dict], pool: Any,
             return fn(*call[0], **call[1])
 
     t0 = time.perf_counter()
+    # the generators a CUDA capture must register: declared ones, and undeclared ones the warmups drew from
+    gens = [*declared_generators(p.cap.state).values(), *(g for g, _ in p.cap.ledger.generators)]
     with p.cap.guard:
-        graph, out = be.capture(body, pool, bucket, sites)
+        graph, out = be.capture(body, pool, bucket, sites, gens)
     ms = (time.perf_counter() - t0) * 1e3
     return BucketGraph(graph, out, bucket, p.cap.manifest(), segments_from_marks(marks, graph.node_count), ms,
                     frozenset({1} | {si.per_item for si in p.cap.inputs}))

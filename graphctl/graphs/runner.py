@@ -174,9 +174,10 @@ class GraphRunner:
 
     def guard_all(self) -> Snapshot:
         """A snapshot of everything a run of the forward may change that the caller owns: every
-        declared buffer but Stable scratch, and the side effects being restored."""
-        return Snapshot.of(self.state, BoundState.restorable_names,
-                           self.capture.ledger.tensors if self.capture is not None else [])
+        declared buffer but Stable scratch, the side effects being restored, random state."""
+        led = self.capture.ledger if self.capture is not None else None  # and the undeclared random streams
+        return Snapshot.of(self.state, BoundState.restorable_names, led.tensors if led else [],
+                           [g for g, _ in led.generators] if led else [])
 
     def reset(self) -> None:
         """Drop every graph (and the static inputs); the next call captures again."""

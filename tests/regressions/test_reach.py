@@ -160,9 +160,9 @@ def test_the_full_tracker_runs_once_per_forward_unless_buckets_hold_padding(back
     full = []
     real = effects.WriteTracker.__init__
 
-    def init(self, watched, exclude, padded=None, lean=False):
+    def init(self, watched, exclude, padded=None, lean=False, declared=None):
         full.append(not lean)
-        real(self, watched, exclude, padded, lean)
+        real(self, watched, exclude, padded, lean, declared)
 
     monkeypatch.setattr(effects.WriteTracker, "__init__", init)
     eng = _Engine(device, 3)

@@ -104,6 +104,8 @@ class Report:
     # what the capture's walk of the forward's objects saw and left out (graphs/reach.py): objects,
     # tensors, host_values, paths_checked, paths_unchecked (past the cap), past_depth, past_bound
     reach: dict[str, int] = dataclasses.field(default_factory=dict)
+    # draws from a default or an undeclared generator (graphs/randomness.py): generator, op, where
+    random_state: tuple[dict[str, Any], ...] = ()
 
     @property
     def uncompiled(self) -> int:
@@ -155,6 +157,9 @@ class Report:
         out += [f"reached by no path: a {u['dtype']} tensor {list(u['shape'])} on {u['device']} read by "
                 f"{u['op']} at {u['where']}: declare it or keep it where the forward's arguments reach"
                 for u in self.unreached]
+        out += [f"random state: {r['generator']}, drawn from by {r['op']} at {r['where']} (its state restored "
+                "around warmups, capture and verify; replays advance it): declare a generator in the spec to give "
+                "the graph's draws a stream of their own" for r in self.random_state]
         out += [f"host state changed by warmup/capture ({h['policy']}): {h['path']} {h['before']!r} -> "
                 f"{h['after']!r}" for h in self.host_changes]
         out += [f"side effect ({e['policy']}): {e['path']} ({e['nbytes']:,} B) written by {e['op']} at "

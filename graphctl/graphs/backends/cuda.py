@@ -35,6 +35,7 @@ from graphctl.graphs.backends.cuda_nodes import (
     kernel_patches,
     read_cuda_nodes,
 )
+from graphctl.graphs.randomness import same_generator
 from graphctl.graphs.repoint import lookup
 from graphctl.state.phase import capture_invalidated
 
@@ -259,10 +260,15 @@ class CudaBackend:
         return fn  # a compiled forward's kernels are captured like any others
 
     def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int,
-                compiled: Sequence[Any] = ()) -> tuple[CudaGraph | PiecewiseGraph, Any]:
+                compiled: Sequence[Any] = (), generators: Sequence[torch.Generator] = ()
+                ) -> tuple[CudaGraph | PiecewiseGraph, Any]:
         """Capture ``body(mark)``; every ``@graphctl.eager`` call inside ends the piece captured so
         far, replays it (the region sees real data), runs the region and begins the next piece in
-        the same pool (``graphs/pieces.py``): a :class:`PiecewiseGraph` when there was one."""
+        the same pool (``graphs/pieces.py``): a :class:`PiecewiseGraph` when there was one. Each
+        CUDA generator of ``generators`` is registered with every piece (torch registers the default
+        one itself): a replay draws on from the generator's state at that time."""
+        cuda_gens = [g for g in generators if g.device.type == "cuda" and not same_generator(
+            g, torch.cuda.default_generators[g.device.index or 0])]
         self._check_preconditions(bucket)
         self.synchronize()
         before = torch.cuda.memory_reserved(self.device)
@@ -274,6 +280,8 @@ class CudaBackend:
 
         def begin() -> None:
             g = torch.cuda.CUDAGraph(keep_graph=True)
+            for gen in cuda_gens:
+                g.register_generator_state(gen)
             g.capture_begin(pool=pool)
             live[:] = [g, _NodeOrder(self.stream)]
 

@@ -393,9 +393,10 @@ class EmulatedBackend:
         return call
 
     def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int,
-                compiled: Sequence[Any] = ()) -> tuple[EmulatedGraph, Any]:
+                compiled: Sequence[Any] = (), generators: Sequence[torch.Generator] = ()) -> tuple[EmulatedGraph, Any]:
         """Record ``body(mark)``, where ``mark()`` is the number of ops recorded so far; each of
-        ``compiled`` (``graphs/compiled.py`` sites) is recorded as one call."""
+        ``compiled`` (``graphs/compiled.py`` sites) is recorded as one call. ``generators`` need no
+        registration here: a replay re-runs each random op with its generator, which draws on."""
         rec, looks = _Recorder(), _LooksLikeCapture()
         self._rec, stance, route, outside = rec, None, _Rerouted(rec), pieces.saved()
         try:
