@@ -28,7 +28,9 @@ once it reaches ``GRAPHCTL_BYPASS_WINDOW`` (the graphs are captured but serve no
 (``/2`` added ``eager_runs``, ``eager_streak``, ``bypassed``, ``host_changes``,
 ``padding_hazards`` and ``unreached`` to ``/1``; ``compiled``, ``compile``, ``reach`` and a
 bucket's ``warmup_ms`` and ``variant`` were added since, as keys only: readers of ``/2`` ignore
-them; so were a bucket's ``eager_regions``: ``[{"name", "calls", "mean_us", "capture_us"}]``.) A
+them; so were a bucket's ``eager_regions`` (``[{"name", "calls", "mean_us", "capture_us"}]``) and
+the report's ``random_state`` (``[{"generator", "op", "where"}]``: draws from default or undeclared
+generators).) A
 variant runner's report has a row per (variant, bucket), ``variant`` naming its values
 (``"k=3"``); ``compile`` then sums dynamo's work per bucket size over the variants.
 """
