@@ -10,11 +10,13 @@ from graphctl.models.loops import (
                                    graphed_step,
 )
 from graphctl.models.mtp import EngineConfig, MTPEngine, StepOutput
+from graphctl.models.sampled import Sampling
 
 __all__ = [
     "EngineConfig",
     "MTPEngine",
     "StepOutput",
+    "Sampling",
     "MODES",
     "graphed_step",
     "dynamic_of",

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from graphctl.families.paged import KVCacheManager, PagedMetadata, paged_spec
+from graphctl.models.sampled import Sampling, attach_generators, sample_step, sample_tokens, with_generators
 from graphctl.state import BoundState, Registry, StateSpec, bind
 
 __all__ = ["EngineConfig", "MTPEngine", "StepOutput"]
@@ -48,6 +49,7 @@ class StepOutput(NamedTuple):  # a NamedTuple: @graphed slices its fields to the
     accepted: torch.Tensor  # [n] int64: accepted length a, 1..k+1 (the bonus token counted)
     bonus: torch.Tensor  # [n] int64: the target's token after the last accepted one
     drafts: torch.Tensor  # [n, k] int64: the draft head's proposals for the next step
+    draft_probs: torch.Tensor | None = None  # sampled steps: [n * k, vocab] the laws the drafts were drawn from
 
 
 class _Layer:
@@ -80,8 +82,9 @@ class MTPEngine:
         self.meta = PagedMetadata(seqs=cfg.max_seqs, blocks=blocks, draft_len=self.k,
                                   kv_cache_manager=mk("target", cfg.seed + 1),
                                   draft_kv_cache_manager=mk("draft", cfg.seed + 2), device=dev)
+        attach_generators(self.meta, dev, cfg.seed)  # random state per role (models/sampled.py)
         self.registry = Registry()
-        self.registry.register(PagedMetadata, spec or paged_spec(block_size=cfg.block_size))
+        self.registry.register(PagedMetadata, spec or with_generators(paged_spec(block_size=cfg.block_size)))
         self.state: BoundState = bind(self.meta, registry=self.registry)
         C = blocks * cfg.block_size
         self._j = torch.arange(C, device=dev)
@@ -164,6 +167,17 @@ class MTPEngine:
             drafts = self.draft_loop(input_ids, accepted, bonus, self.state.write, k)
         return StepOutput(accepted, bonus, drafts)
 
+    def sample_step(self, input_ids: torch.Tensor, draft_probs: torch.Tensor, meta: PagedMetadata,
+                    sampling: Sampling, k: int | None = None) -> StepOutput:
+        """One sampled speculative step (``models/sampled.py``): ``draft_probs`` [n * k, vocab]
+        the laws the drafts in ``input_ids`` were drawn from; returns them for the next drafts."""
+        return StepOutput(*sample_step(self, input_ids, draft_probs, meta, sampling, k))
+
+    def sample(self, prompts: Sequence[torch.Tensor], steps: int, sampling: Sampling, forward: Any = None,
+               k: int | None = None, seed: int | None = None) -> list[torch.Tensor]:
+        """Each request's emitted tokens after ``steps`` sampled steps (``models/sampled.py``)."""
+        return sample_tokens(self, prompts, steps, sampling, forward, k, seed)
+
     def target_and_accept(self, input_ids: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Target forward and greedy acceptance: accepted lengths and bonus tokens, on the device."""
         k = self.draft_len(k)
@@ -220,10 +234,14 @@ class MTPEngine:
 
     def prefill(self, prompts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Write every prompt's K/V into both caches (one token a request per pass, eagerly) and
-        return each request's first generated token."""
+        return each request's first generated token (greedy)."""
+        return self.prefill_logits(prompts).argmax(-1)
+
+    def prefill_logits(self, prompts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """:meth:`prefill`, returning the target's logits [n, vocab] after each prompt's last token."""
         n, m = len(prompts), self.meta
         lens = torch.tensor([len(p) for p in prompts])
-        first = torch.zeros(n, dtype=torch.int64, device=self.device)
+        first = torch.zeros(n, self.cfg.vocab, dtype=torch.float32, device=self.device)
         for i in range(int(lens.max())):
             active = (lens > i).nonzero()[:, 0]
             tokens = torch.stack([prompts[r][i] for r in active.tolist()]).to(self.device)
@@ -234,7 +252,7 @@ class MTPEngine:
             with self.state.switch("draft"):
                 self.run_layers(tokens, self.draft_layers)
             last = (lens[active] == i + 1).to(self.device)
-            first[active.to(self.device)[last]] = logits.argmax(-1)[last]
+            first[active.to(self.device)[last]] = logits[last].float()
         return first
 
     def prompts(self, n: int, gen: torch.Generator, lo: int = 3, hi: int = 17) -> list[torch.Tensor]:

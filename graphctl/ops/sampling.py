@@ -70,29 +70,35 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
     return torch.where(greedy, onehot, p)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of ``probs`` [..., vocab] (int64 [...]), drawn with ``generator``."""
-    e = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None, rows: int = 0) -> torch.Tensor:
+    """One token per row of ``probs`` [n, vocab] (int64 [n]), drawn with ``generator``. ``rows``
+    (>= n): draw noise for that many rows and use the first n, so the stream advances the same
+    whatever n is: a graph at a padded bucket and eager code at n draw alike (row i's noise
+    does not depend on the batch size)."""
+    n = probs.shape[0]
+    e = torch.empty(max(rows, n), probs.shape[-1], dtype=torch.float32, device=probs.device)
+    e = e.exponential_(generator=generator)[:n]
     return (probs.float() / e).argmax(-1)
 
 
 def speculative_accept(target: torch.Tensor, draft: torch.Tensor, drafts: torch.Tensor,
-                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       generator: torch.Generator | None = None, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling over ``k`` drafted tokens a row.
 
     ``target`` [n, k + 1, V]: the target's probabilities at each drafted position and after the
     last; ``draft`` [n, k, V]: the draft's probabilities the drafts were drawn from; ``drafts``
     [n, k] int64. Returns ``(accepted [n] int64 in 1..k+1, token [n] int64)``: ``accepted - 1``
-    drafts kept, then ``token`` (the resample at the first rejection, or the bonus token)."""
+    drafts kept, then ``token`` (the resample at the first rejection, or the bonus token).
+    ``rows``: as for :func:`sample` (noise for that many rows, whatever n is)."""
     n, k1, vocab = target.shape
     k = k1 - 1
     t, q = target.float(), draft.float()
     if k == 0:
-        return torch.ones(n, dtype=torch.int64, device=target.device), sample(t[:, 0], generator)
+        return torch.ones(n, dtype=torch.int64, device=target.device), sample(t[:, 0], generator, rows)
     idx = drafts.long().unsqueeze(-1)
     p_d = t[:, :k].gather(-1, idx).squeeze(-1)  # target probability of each drafted token
     q_d = q.gather(-1, idx).squeeze(-1)
-    u = torch.rand(n, k, generator=generator, device=target.device)
+    u = torch.rand(max(rows, n), k, generator=generator, device=target.device)[:n]
     # accept with probability min(1, p/q): u * q < p (q > 0 where the draft drew the token)
     ok = (u * q_d < p_d).long()
     accepted = 1 + ok.cumprod(1).sum(1)  # drafts kept before the first rejection, plus the emitted token
@@ -102,5 +108,5 @@ def speculative_accept(target: torch.Tensor, draft: torch.Tensor, drafts: torch.
     residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(torch.float32).tiny), t[:, :k])
     choose = torch.cat([residual, t[:, k:]], 1)  # position j < k: resample; position k: the bonus
     at = (accepted - 1).view(n, 1, 1).expand(n, 1, vocab)
-    token = sample(choose.gather(1, at).squeeze(1), generator)
+    token = sample(choose.gather(1, at).squeeze(1), generator, rows)
     return accepted, token

@@ -155,3 +155,72 @@ def test_sampling_replays_from_a_graph_as_eager_from_the_same_generator_state(ge
     eager = [step(x) for _ in range(5)]
     assert all(torch.equal(a, b) for a, b in zip(replayed, eager))
     assert len({tuple(t.tolist()) for t in eager}) > 1  # the draws do change from call to call
+
+
+def _engine(device: str, oracle: bool):
+    from graphctl.models import EngineConfig, MTPEngine
+
+    return MTPEngine(EngineConfig(draft_len=3, max_seqs=4, max_context=160), device=device, oracle=oracle)
+
+
+def _graphed_sample_step(eng, backend: str):
+    from graphctl import StaticInput
+
+    k = eng.k
+    return graphctl.graphed(eng.sample_step, buckets=[1, 2, 4], state=eng.state, backend=backend, progress=False,
+                            inputs=[StaticInput("input_ids", per_item=k + 1), StaticInput("draft_probs", per_item=k)],
+                            params=eng.named_tensors())
+
+
+@pytest.mark.parametrize("oracle", [True, False])
+def test_seeded_sampling_is_the_same_eager_and_graphed(oracle, backend, gen):
+    # Regression: issue 34, the engines decoded greedily only: sampling in the captured step, the same tokens eager
+    # and graphed for one seed (bucket-padded batch of 3), other tokens for another seed.
+    from graphctl.models import Sampling
+
+    dev = "cuda" if backend == "cuda" else "cpu"
+    eng = _engine(dev, oracle)
+    s = Sampling(temperature=0.8, top_p=0.9)
+    prompts = eng.prompts(3, gen)
+    step = _graphed_sample_step(eng, backend)
+    eager = eng.sample(prompts, 6, s, seed=7)
+    graphed = eng.sample(prompts, 6, s, forward=step, seed=7)
+    assert [t.tolist() for t in graphed] == [t.tolist() for t in eager]
+    assert [t.tolist() for t in eng.sample(prompts, 6, s, seed=8)] != [t.tolist() for t in eager]
+    assert sum(b.replays for b in step.report().buckets) == 6 and step.report().random_state == ()
+
+
+def test_sampling_at_temperature_zero_is_the_greedy_decode(gen):
+    # Regression: issue 34, temperature 0 must be today's greedy tokens through the sampled path.
+    from graphctl.models import Sampling
+
+    eng = _engine("cpu", oracle=False)
+    prompts = eng.prompts(3, gen)
+    greedy = eng.sample(prompts, 5, Sampling(0.0), forward=lambda ids, laws, m, s: eng.step(ids, m)._replace(
+        draft_probs=laws))
+    sampled = eng.sample(prompts, 5, Sampling(0.0), seed=3)
+    assert [t.tolist() for t in sampled] == [t.tolist() for t in greedy]
+
+
+def test_the_oracle_draft_is_always_accepted_when_sampling_and_a_bad_draft_is_not(gen):
+    # Regression: issue 34, with p == q every draft is kept (min(1, p/q) = 1); a different draft loses some.
+    from graphctl.models import Sampling
+
+    s = Sampling(temperature=1.0)
+    for oracle in (True, False):
+        eng = _engine("cpu", oracle)
+        prompts = eng.prompts(4, gen)
+        first = sum(len(t) for t in eng.sample(prompts, 1, s, seed=1))  # the first step's drafts are placeholders
+        emitted = sum(len(t) for t in eng.sample(prompts, 6, s, seed=1)) - first
+        full = 5 * (eng.k + 1) * len(prompts)
+        assert (emitted == full) if oracle else (emitted < full), (oracle, emitted, full)
+
+
+def test_sampling_settings_are_checked():
+    # Regression: issue 34, a bad setting is a clear error where the Sampling is made, not garbage later.
+    from graphctl.models import Sampling
+
+    with pytest.raises(ValueError, match="temperature"):
+        Sampling(temperature=-0.5)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(top_p=0.0)

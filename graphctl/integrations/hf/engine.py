@@ -27,6 +27,7 @@ from graphctl.families.paged import KVCacheManager, PagedMetadata, paged_spec
 from graphctl.graphs.compiled import is_compiled
 from graphctl.integrations.hf.attention import ATTENTION, PagedBatch, register
 from graphctl.models.mtp import EngineConfig, MTPEngine
+from graphctl.models.sampled import attach_generators, with_generators
 from graphctl.state import Registry, StateSpec, bind
 
 __all__ = ["HFEngine", "GenerateResult", "oracle_draft", "uses_paged_attention"]
@@ -122,8 +123,9 @@ class HFEngine(MTPEngine):
                                   kv_cache_manager=manager("target", target, 1),
                                   draft_kv_cache_manager=manager("draft", draft, 2), device=dev,
                                   max_tokens=min(prefill_tokens, max_seqs * max_context))
+        attach_generators(self.meta, dev, 0)  # random state per role (models/sampled.py)
         self.registry = Registry()
-        self.registry.register(PagedMetadata, spec or paged_spec(block_size=block_size))
+        self.registry.register(PagedMetadata, spec or with_generators(paged_spec(block_size=block_size)))
         self.state = bind(self.meta, registry=self.registry)
 
     @classmethod

@@ -1,0 +1,115 @@
+"""Sampling in the reference engine's step (issue 34): temperature / top-k / top-p, speculative
+sampling on the device, random state declared per role.
+
+The engine's spec declares two generators (:func:`with_generators`): ``generator`` for the target,
+swapped to ``draft_generator`` inside ``state.switch("draft")``, so the draft draws from a stream
+of its own and graphctl restores both around every warmup, capture and verify run. A sampled step
+(:func:`sample_step`, ``MTPEngine.sample_step``) takes the drafted tokens and the draft's
+probabilities they were drawn from, accepts each with probability ``min(1, p/q)``, resamples the
+first rejected position from the residual (or draws the bonus token), then drafts ``k`` tokens by
+sampling the draft head: the emitted tokens follow the target's distribution
+(``graphctl.ops.sampling``). Temperature 0 is greedy through the same code. Every draw takes
+noise for all ``max_seqs`` rows, so one seed gives the same tokens eager and graphed at a padded
+bucket (row i's noise does not depend on the batch size). ``Sampling`` is a
+frozen host value: a graph bakes it (a setting per runner, or a variant per setting).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from graphctl.ops.sampling import probs_from_logits, sample, speculative_accept
+from graphctl.state import StateSpec, Swap
+
+__all__ = ["Sampling", "with_generators", "attach_generators", "sample_step", "sample_tokens"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling settings (host values): ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1
+    are off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        probs_from_logits(torch.zeros(1, 2), self.temperature, self.top_k, self.top_p)  # ValueError naming a bad one
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return probs_from_logits(logits, self.temperature, self.top_k, self.top_p)
+
+
+def with_generators(spec: StateSpec) -> StateSpec:
+    """``spec`` with the engine's random state: ``generator``, swapped for ``draft_generator`` in
+    the draft role."""
+    spec.object("generator", draft=Swap(twin="draft_generator"))
+    spec.object("draft_generator")
+    return spec
+
+
+def attach_generators(meta: Any, device: torch.device, seed: int) -> None:
+    """One generator per role on ``meta``, on the engine's device (seeds ``seed`` and ``seed + 1``)."""
+    meta.generator = torch.Generator(device=device).manual_seed(seed)
+    meta.draft_generator = torch.Generator(device=device).manual_seed(seed + 1)
+
+
+def sample_step(eng: Any, input_ids: torch.Tensor, draft_probs: torch.Tensor, meta: Any,
+                sampling: Sampling, k: int | None = None) -> tuple[torch.Tensor, ...]:
+    """One sampled speculative step for ``n = len(input_ids) / (k + 1)`` requests: ``input_ids``
+    the last emitted token and ``k`` drafts a request, ``draft_probs`` [n * k, vocab] the draft's
+    probabilities they were drawn from (``eng``: an ``MTPEngine``). Returns ``(accepted, token,
+    drafts, draft_probs)``: ``token`` the resampled or bonus token, the next drafts and their laws."""
+    k = eng.draft_len(k)
+    n, vocab = input_ids.shape[0] // (k + 1), eng.cfg.vocab
+    p = sampling.probs(eng.run_layers(input_ids, eng.target_layers, k + 1)).view(n, k + 1, vocab)
+    rows = eng.cfg.max_seqs  # noise for every row the engine holds: eager at n and a padded graph draw alike
+    accepted, token = speculative_accept(p, draft_probs.view(n, k, vocab), input_ids.view(n, k + 1)[:, 1:],
+                                         eng.meta.generator, rows)
+    st = eng.state
+    with st.switch("draft"):  # meta.generator is the draft's stream in here
+        base = eng.draft_begin(input_ids, accepted, st.write, k)
+        tok, drafts, laws = token, [], []
+        for i in range(k):
+            q = sampling.probs(eng.draft_step(tok, eng.draft_kv_lens(base, i), st.write))
+            tok = sample(q, eng.meta.generator, rows)
+            drafts.append(tok)
+            laws.append(q)
+    return accepted, token, torch.stack(drafts, 1), torch.stack(laws, 1).reshape(n * k, vocab)
+
+
+def sample_tokens(eng: Any, prompts: Any, steps: int, sampling: Sampling, forward: Any = None,
+                  k: int | None = None, seed: int | None = None) -> list[torch.Tensor]:
+    """``steps`` sampled speculative steps after prefill (its first token sampled too), through
+    ``forward`` (``eng.sample_step`` or a ``@graphed`` wrapper of it); each request's emitted
+    tokens (host, int64). ``seed`` reseeds both generators first (``seed``, ``seed + 1``)."""
+    m = eng.meta
+    if seed is not None:
+        m.generator.manual_seed(seed)
+        m.draft_generator.manual_seed(seed + 1)
+    forward = forward or eng.sample_step
+    extra = () if k is None else (k,)
+    k = eng.draft_len(k)
+    n, vocab = len(prompts), eng.cfg.vocab
+    context = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+    token = sample(sampling.probs(eng.prefill_logits(prompts)), m.generator, eng.cfg.max_seqs)
+    drafts = token[:, None].repeat(1, k)
+    # the placeholder drafts, "drawn" from a one-hot law: accepted with probability p(token)
+    laws = torch.nn.functional.one_hot(drafts.reshape(-1), vocab).float()
+    out_tokens = [[int(t)] for t in token.tolist()]
+    for _ in range(steps):
+        if int(context.max()) + 2 * k + 2 > eng.cfg.max_context:
+            raise ValueError(f"max_context={eng.cfg.max_context} too small for {steps} steps")
+        ids = torch.cat([token[:, None], drafts], 1).reshape(-1)
+        m.prepare(eng.state, torch.full((n,), k + 1, dtype=torch.int32), context + k + 1)
+        out = forward(ids, laws, m, sampling, *extra)
+        acc = out.accepted.to("cpu", copy=True)
+        kept = ids.view(n, k + 1)[:, 1:].cpu()
+        last = out.bonus.to("cpu", copy=True)
+        for r in range(n):
+            out_tokens[r] += kept[r, : int(acc[r]) - 1].tolist() + [int(last[r])]
+        context = context + acc.to(torch.int32)
+        token, drafts, laws = out.bonus.clone(), out.drafts.clone(), out.draft_probs.clone()
+    return [torch.tensor(t) for t in out_tokens]
