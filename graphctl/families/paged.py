@@ -188,6 +188,10 @@ class PagedMetadata:
     ``max_tokens``: the token buffers' length, when a forward may carry more tokens than a step
     does (a ragged prefill of whole prompts); at least ``seqs * (1 + draft_len)``."""
 
+    # random state per role, attached and declared by the engines that sample (graphctl/models/sampled.py)
+    generator: torch.Generator
+    draft_generator: torch.Generator
+
     def __init__(self, *, seqs: int, blocks: int, draft_len: int, kv_cache_manager: KVCacheManager,
                  draft_kv_cache_manager: KVCacheManager, device, max_tokens: int = 0) -> None:
         S, T = seqs, max(seqs * (1 + draft_len), max_tokens)

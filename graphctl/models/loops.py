@@ -213,17 +213,32 @@ class PerStepLoop:
 
 
 def graphed_step(eng: MTPEngine, mode: str = "unrolled", *, buckets: Sequence[int] = (1, 2, 4, 8),
-                 backend: str = "auto", threshold: float = 0.0, draft_lens: Sequence[int] | None = None) -> Any:
+                 backend: str = "auto", threshold: float = 0.0, draft_lens: Sequence[int] | None = None,
+                 sampling: Any = None) -> Any:
     """A callable like ``eng.step`` (``(input_ids, meta) -> StepOutput``) graphed in ``mode``;
     ``threshold`` is the device loop's confidence threshold (``device_loop`` only; the returned
     runner's ``dynamic`` is its :class:`DynamicDraft`, whose ``set_threshold`` changes it without
     recapture). The engine's weights and caches (and the loop's buffers) are the audit's params.
     ``draft_lens`` (``unrolled`` only): one runner serving every listed draft length ``k`` (each
     at most the engine's ``draft_len``) from its own graphs in one pool, called
-    ``(input_ids, meta, k)`` (a :class:`~graphctl.graphs.variants.VariantRunner`)."""
+    ``(input_ids, meta, k)`` (a :class:`~graphctl.graphs.variants.VariantRunner`). ``sampling``
+    (a :class:`~graphctl.models.sampled.Sampling`, ``unrolled`` only): the sampled step
+    ``eng.sample_step(input_ids, draft_probs, meta, sampling[, k])``; the settings are baked in."""
     if mode not in MODES:
         raise DeclarationError("unknown draft-loop mode", expected=" / ".join(MODES), found=mode,
                                fix="unrolled (one graph), per_step (one graph per step) or device_loop (WHILE node)")
+    if sampling is not None:
+        if mode != "unrolled":
+            raise DeclarationError("sampling needs mode='unrolled'", expected="unrolled", found=mode,
+                                   fix="graph the sampled step unrolled; per_step and device_loop draft greedily")
+        if draft_lens is not None:  # a graph set per k: rows per request follow k
+            ins = [StaticInput("input_ids", per_item_of=lambda k: k + 1),
+                   StaticInput("draft_probs", per_item_of=lambda k: k)]
+        else:
+            ins = [StaticInput("input_ids", per_item=eng.k + 1), StaticInput("draft_probs", per_item=eng.k)]
+        return graphed(eng.sample_step, buckets=list(buckets), state=eng.state, backend=backend, progress=False,
+                       inputs=ins, params=eng.named_tensors(),
+                       variants=None if draft_lens is None else {"k": tuple(draft_lens)})
     if draft_lens is not None:
         if mode != "unrolled":
             raise DeclarationError("draft_lens needs mode='unrolled'", expected="unrolled", found=mode,

@@ -279,3 +279,34 @@ def test_piecewise_prefill_of_a_compiled_model_is_refused_and_the_whole_graph_wo
     assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
     assert pre.report().uncompiled == 0
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_seeded_sampling_gives_the_same_tokens_eager_and_graphed(name, k, backend, gen):
+    # Regression: issue 34, the HF engine decoded greedily only: sampled at temperature 0.8, top-p 0.9, one seed gives
+    # the same tokens eager and graphed (a padded bucket: 3 requests in bucket 4), another seed other tokens.
+    from graphctl.models import Sampling
+
+    dev = "cuda" if backend == "cuda" else "cpu"
+    eng = HFEngine.build(hf_config(name), draft_len=k, max_seqs=4, max_context=96, block_size=8,
+                         seed=hf.seed_of(gen), device=dev)
+    prompts = [p.to(dev) for p in hf.prompts(3, gen)]
+    s = Sampling(0.8, 0, 0.9)
+    if k:
+        step = graphed_step(eng, buckets=(1, 2, 4), backend=backend, sampling=s)
+    else:
+        step = graphctl.graphed(eng.sample_decode_step, buckets=[1, 2, 4], state=eng.state, backend=backend,
+                                inputs=[StaticInput("input_ids")], progress=False, params=eng.named_tensors())
+    kw = dict(temperature=0.8, top_p=0.9)
+    eager = eng.generate(prompts, 8, seed=5, **kw)
+    graphed = eng.generate(prompts, 8, forward=step, seed=5, **kw)
+    assert [t.tolist() for t in graphed.tokens] == [t.tolist() for t in eager.tokens]
+    other = eng.generate(prompts, 8, seed=6, **kw)
+    assert [t.tolist() for t in other.tokens] != [t.tolist() for t in eager.tokens]
+    greedy = eng.generate(prompts, 8)
+    assert [t.tolist() for t in eng.generate(prompts, 8, temperature=0.0, seed=5).tokens] == \
+        [t.tolist() for t in greedy.tokens]
+    assert step.report().random_state == ()  # the declared generators only
+    with pytest.raises(ValueError, match="top_p"):
+        eng.generate(prompts, 2, temperature=0.8, top_p=0.0)

@@ -27,7 +27,8 @@ from graphctl.families.paged import KVCacheManager, PagedMetadata, paged_spec
 from graphctl.graphs.compiled import is_compiled
 from graphctl.integrations.hf.attention import ATTENTION, PagedBatch, register
 from graphctl.models.mtp import EngineConfig, MTPEngine
-from graphctl.models.sampled import attach_generators, with_generators
+from graphctl.models.sampled import Sampling, attach_generators, with_generators
+from graphctl.ops.sampling import sample
 from graphctl.state import Registry, StateSpec, bind
 
 __all__ = ["HFEngine", "GenerateResult", "oracle_draft", "uses_paged_attention"]
@@ -173,8 +174,8 @@ class HFEngine(MTPEngine):
     def prefill_step(self, tokens: torch.Tensor, meta: PagedMetadata, eager_attention: bool = False) -> torch.Tensor:
         """One prefill pass as laid out by ``meta.prepare`` (``seq_lens``: tokens a request in the
         pass; ``kv_lens``: its length after it): both models over the packed ``tokens``, their K/V
-        into both caches; returns the target's greedy token after each request row's last token
-        of the pass ([max_seqs]; rows past the batch, or with no token in the pass, hold garbage).
+        into both caches; returns the target's logits after each request row's last token of the
+        pass ([max_seqs, vocab]; rows past the batch, or with no token in the pass, hold garbage).
         Logits are computed for those rows only. Graphable at token buckets
         (:meth:`graphed_prefill`): shapes follow the token count, lengths are read on the device."""
         S, T = self.cfg.max_seqs, tokens.shape[0]
@@ -182,7 +183,7 @@ class HFEngine(MTPEngine):
         logits = self.run_layers(tokens, self.target_layers, T, rows=S, keep=ends, eager_attention=eager_attention)
         with self.state.switch("draft"):
             self.run_layers(tokens, self.draft_layers, T, rows=S, keep=ends[:1], eager_attention=eager_attention)
-        return logits.argmax(-1)
+        return logits
 
     def graphed_prefill(self, buckets: Sequence[int] | None = None, *, backend: str = "auto",
                         piecewise: bool = False) -> Any:
@@ -244,13 +245,20 @@ class HFEngine(MTPEngine):
             if lo < 0 or hi >= self.cfg.vocab:
                 raise ValueError(f"prompt {i}: token ids must be in [0, {self.cfg.vocab}), found [{lo}, {hi}]")
 
-    def prefill(self, prompts: Sequence[torch.Tensor], forward: Any = None) -> torch.Tensor:
+    def sample_decode_step(self, input_ids: torch.Tensor, meta: PagedMetadata, sampling: Sampling) -> torch.Tensor:
+        """Plain decode, sampled: the target's next token for one token a request, drawn from the
+        target's generator (noise for every row the engine holds: eager and padded graphs alike)."""
+        return sample(sampling.probs(self.run_layers(input_ids, self.target_layers)), self.meta.generator,
+                      self.cfg.max_seqs)
+
+    def prefill(self, prompts: Sequence[torch.Tensor], forward: Any = None,
+                sampling: Sampling | None = None) -> torch.Tensor:
         """Every prompt's K/V into both caches and each request's first new token: one ragged
         forward of all prompts (tokens packed by request, each attending its own request's keys
         up to its position), chunked into passes of at most ``prefill_tokens`` (the metadata's
         token buffers) only above that: a pass takes each request's next tokens in order until
         the budget is spent. ``forward``: :meth:`prefill_step` or its graphed form
-        (:meth:`graphed_prefill`)."""
+        (:meth:`graphed_prefill`). ``sampling``: the first token drawn (greedy by default)."""
         self.check_prompts(prompts)
         n, m = len(prompts), self.meta
         lens = [len(p) for p in prompts]
@@ -264,7 +272,9 @@ class HFEngine(MTPEngine):
             tokens = torch.cat([p[d:d + t] for p, d, t in zip(prompts, done, take) if t]).to(self.device)
             done = [d + t for d, t in zip(done, take)]
             m.prepare(self.state, torch.tensor(take, dtype=torch.int32), torch.tensor(done, dtype=torch.int32))
-            best = (forward or self.prefill_step)(tokens, m)
+            logits = (forward or self.prefill_step)(tokens, m)
+            best = logits.argmax(-1) if sampling is None else \
+                sample(sampling.probs(logits), m.generator, self.cfg.max_seqs)
             finished = [r for r in range(n) if take[r] and done[r] == lens[r]]
             if finished:  # the requests whose last prompt token was in this pass
                 idx = torch.tensor(finished, device=self.device)
@@ -273,14 +283,26 @@ class HFEngine(MTPEngine):
 
     def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int,  # type: ignore[override]
                  forward: Any = None, *, eos_token_id: int | None = None, progress: bool = False,
-                 k: int | None = None, prefill: Any = None) -> GenerateResult:
-        """Greedy generation: prefill, then decode (``draft_len`` 0) or speculative steps through
+                 k: int | None = None, prefill: Any = None, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None) -> GenerateResult:
+        """Generation: prefill, then decode (``draft_len`` 0) or speculative steps through
         ``forward`` (``self.step``/``self.decode_step`` by default, or their ``@graphed``
         wrappers), until every request has ``max_new_tokens`` tokens or its EOS. ``k``: drafts a
         step, ``1 <= k <= draft_len`` (default ``draft_len``), passed to ``forward`` when given
         (a runner with ``variants={"k": ...}`` serves each value from its own graphs). ``prefill``:
-        the prefill pass (:meth:`prefill_step` by default, or :meth:`graphed_prefill`'s runner)."""
+        the prefill pass (:meth:`prefill_step` by default, or :meth:`graphed_prefill`'s runner).
+        ``temperature`` 0 is greedy (``top_k``/``top_p`` then unused); above it every token is
+        sampled on the device (top-k 0 and top-p 1 are off) and speculative steps keep the
+        target's distribution (``models/sampled.py``); ``forward`` is then ``sample_step`` /
+        ``sample_decode_step`` or their graphed forms (``graphed_step(..., sampling=...)``).
+        ``seed`` reseeds the target's and the draft's generators (``seed``, ``seed + 1``): one seed,
+        the same tokens, eager or graphed, at any bucket."""
         self.check_prompts(prompts)
+        spec = Sampling(temperature, top_k, top_p)  # checked even at temperature 0
+        sampling = spec if temperature > 0 else None
+        if seed is not None:
+            self.meta.generator.manual_seed(seed)
+            self.meta.draft_generator.manual_seed(seed + 1)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected a positive int, found {max_new_tokens!r}")
         extra = () if k is None else (k,)  # a forward of (ids, meta) keeps working without k
@@ -291,7 +313,7 @@ class HFEngine(MTPEngine):
             raise ValueError(f"max_context={self.cfg.max_context} too small: prompts up to {int(context.max())} "
                              f"tokens + {max_new_tokens} new + {3 * k + 3} of speculation need {need}")
         t0 = self._clock()
-        token = self.prefill(prompts, prefill)
+        token = self.prefill(prompts, prefill, sampling)
         t1 = self._clock()
         out_tokens: list[list[int]] = [[int(t)] for t in token.tolist()]
         done = [eos_token_id is not None and t[0] == eos_token_id for t in out_tokens]
@@ -304,16 +326,28 @@ class HFEngine(MTPEngine):
         context = context.to(self.device)
         seq = torch.full((n,), k + 1, dtype=torch.int32, device=self.device)
         drafts = token[:, None].repeat(1, k)
+        # sampled: the laws the drafts were drawn from; the placeholders' is one-hot (kept with probability p)
+        laws = torch.nn.functional.one_hot(drafts.reshape(-1), self.cfg.vocab).float() if sampling and k else None
         pending: tuple[torch.Tensor, Any] | None = None
         while True:
             m.prepare(self.state, seq, context + k + 1)
-            if k == 0:
+            if k == 0 and sampling is not None:
+                token = (forward or self.sample_decode_step)(token, m, sampling).clone()
+                accepted = torch.ones_like(token)
+                packed = torch.stack([accepted, token], 1)
+            elif k == 0:
                 token = (forward or self.decode_step)(token, m).clone()
                 accepted = torch.ones_like(token)
                 packed = torch.stack([accepted, token], 1)
             else:
                 ids = torch.cat([token[:, None], drafts], 1).reshape(-1)
-                out = (forward or self.step)(ids, m, *extra)
+                if sampling is None:
+                    out = (forward or self.step)(ids, m, *extra)
+                else:
+                    assert laws is not None  # made above for every sampled speculative run
+                    out = (forward or self.sample_step)(ids, laws, m, sampling, *extra)
+                    assert out.draft_probs is not None  # a sampled step returns the laws of its drafts
+                    laws = out.draft_probs.clone()
                 token, drafts, accepted = out.bonus.clone(), out.drafts.clone(), out.accepted
                 packed = torch.cat([accepted[:, None].to(ids.dtype), ids.view(n, k + 1)[:, 1:], token[:, None]], 1)
             context = context + accepted.to(torch.int32)
