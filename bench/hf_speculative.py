@@ -24,7 +24,10 @@ models (inductor, no cudagraphs) before graphctl captures them. ``--device cpu``
 of every path but (c) and (f) (use a ``tiny-*`` config). Decode tokens/s excludes prefill
 (graphctl: ``generate``'s own decode timing; transformers: a run of ``--new`` tokens minus a run
 of 1), median of ``--reps`` runs.
-Targets: (d) >= (c); (e, oracle) >= 3 x (b) at bs 1; (e) per step <= 1.05 x (f).
+Targets: (d) >= (c); (e, oracle) >= 3 x (b) at bs 1; (e) per step <= 1.05 x (f). Also per row: the
+time to first token against transformers' eager prefill, the host gap per step, the prefill graphed at
+the batch's token bucket (whole and piecewise), and (e) sampled at temperature 0.8, top-p 0.9
+(``e{k}_sampling_overhead``: its ms a step over the greedy step's, target <= 1.05).
 
     python bench/hf_speculative.py [--sizes 1 8 32] [--k 3 7] [--prompt 128] [--new 256] [--reps 5]
         [--paths graphctl a b c] [--compile] [--json out.json]
@@ -43,7 +46,7 @@ import graphctl
 from graphctl import StaticInput
 from graphctl.integrations.hf import HFEngine
 from graphctl.integrations.hf.configs import hf_config
-from graphctl.models import graphed_step
+from graphctl.models import Sampling, graphed_step
 
 
 def _sync() -> float:
@@ -84,11 +87,12 @@ def _hf_decode_tps(fn, bs: int, new: int, reps: int) -> tuple[float, float]:
     return bs * (new - 1) / statistics.median(samples), statistics.median(first)
 
 
-def _graphctl_tps(eng: HFEngine, ps, new: int, forward, reps: int) -> tuple[float, float, float, float]:
+def _graphctl_tps(eng: HFEngine, ps, new: int, forward, reps: int, **kw) -> tuple[float, float, float, float]:
     """(decode tokens/s, ms a step, mean accepted, prefill ms) of ``eng.generate`` through
-    ``forward``, from its own timing (decode excludes the prefill), medians of ``reps`` runs."""
-    eng.generate(ps, min(new, 8), forward=forward)  # capture and warm up
-    runs = [eng.generate(ps, new, forward=forward) for _ in range(reps)]
+    ``forward`` (``kw``: its sampling settings), from its own timing (decode excludes the
+    prefill), medians of ``reps`` runs."""
+    eng.generate(ps, min(new, 8), forward=forward, **kw)  # capture and warm up
+    runs = [eng.generate(ps, new, forward=forward, **kw) for _ in range(reps)]
     res = sorted(runs, key=lambda r: r.decode_s)[len(runs) // 2]
     toks = sum(len(t) for t in res.tokens) - len(ps)  # the prefill's first token is not decode's
     prefill = 1e3 * statistics.median(r.prefill_s for r in runs)
@@ -216,6 +220,12 @@ def _graphctl_variant(row: dict, eng: HFEngine, ps, buckets, args, g: torch.Gene
     fwd = graphed_step(eng, "unrolled", buckets=buckets)
     tps, ms, acc, _ = _graphctl_tps(eng, ps, args.new, fwd, args.reps)
     row[f"e{k}_graphctl_spec_tps"], row[f"e{k}_ms_per_step"], row[f"e{k}_mean_accepted"] = tps, ms, acc
+    # issue 34: the same step sampled (temperature 0.8, top-p 0.9: the oracle draft still matches the target)
+    sampled = graphed_step(eng, "unrolled", buckets=buckets, sampling=Sampling(0.8, 0, 0.9))
+    _, ms_s, acc_s, _ = _graphctl_tps(eng, ps, args.new, sampled, args.reps, temperature=0.8, top_p=0.9, seed=0)
+    row[f"e{k}_sampled_ms_per_step"], row[f"e{k}_sampled_mean_accepted"] = ms_s, acc_s
+    row[f"e{k}_sampling_overhead"] = ms_s / ms  # target <= 1.05
+    del sampled
     row[f"e{k}_uncompiled"] = fwd.report().uncompiled
     ids = torch.randint(0, eng.cfg.vocab, (bs * (k + 1),), generator=g).to(eng.device)
     eng.meta.prepare(eng.state, torch.full((bs,), k + 1, dtype=torch.int32),

@@ -85,7 +85,7 @@ def frozen_change(frozen: dict[str, tuple[Any, Any]], sig: Signature, args: tupl
     passes changed, as a ``ReplayError`` naming the entry; None when all are as captured."""
     for name, (want, copy) in frozen.items():
         live = sig.get(args, kwargs, name)
-        if live is want and copy[0] in ("scalar", "object"):  # nothing inside it can have changed
+        if live is want and copy[0] in ("scalar", "object", "value"):  # nothing inside it can have changed
             continue
         where = first_change(freeze(live), copy, name)
         if where is None:

@@ -1,12 +1,13 @@
 """Frozen (non-input) arguments of a graphed forward: what the graph baked in at capture.
 
 A later call must pass the same objects holding the same values. :func:`freeze` takes a
-structural copy at capture (tensors by address and layout, scalars by value, containers element
-by element, anything else by identity); :func:`first_change` names the first difference, as a
+structural copy at capture (tensors by address and layout, scalars and frozen dataclasses by
+value, containers element by element, anything else by identity); :func:`first_change` names the first difference, as a
 path into the argument (``cfg['scale']``), so an in-place change to a dict or list is refused
 with the entry that changed instead of replaying the capture-time value."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -23,11 +24,21 @@ def freeze(v: Any, depth: int = 0) -> Any:
         return ("tensor", v.data_ptr(), tuple(v.shape), v.stride(), v.dtype, str(v.device))
     if isinstance(v, SCALARS):
         return ("scalar", type(v), "nan" if isinstance(v, float) and v != v else v)
+    if _settings(v):
+        return ("value", type(v), v)  # a frozen record of host values (such as Sampling): equal values, one graph
     if depth < 8 and isinstance(v, (tuple, list)):
         return (type(v), tuple(freeze(e, depth + 1) for e in v))
     if depth < 8 and isinstance(v, dict):
         return (type(v), tuple((k, freeze(e, depth + 1)) for k, e in v.items()))
     return ("object", id(v))
+
+
+def _settings(v: Any) -> bool:
+    """A frozen dataclass instance whose fields are all host scalars: compared by value."""
+    if not dataclasses.is_dataclass(v) or isinstance(v, type):
+        return False
+    frozen = type(v).__dataclass_params__.frozen  # type: ignore[attr-defined]
+    return bool(frozen) and all(isinstance(getattr(v, f.name), SCALARS) for f in dataclasses.fields(v))
 
 
 def first_change(live: Any, want: Any, path: str) -> tuple[str, str, str] | None:
@@ -56,4 +67,6 @@ def _show(frozen: Any) -> str:
         return repr(frozen[2])
     if kind == "object":
         return f"object at {frozen[1]:#x}"
+    if kind == "value":
+        return repr(frozen[2])
     return f"{kind.__name__} of {len(frozen[1])}"

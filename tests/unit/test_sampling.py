@@ -224,3 +224,20 @@ def test_sampling_settings_are_checked():
         Sampling(temperature=-0.5)
     with pytest.raises(ValueError, match="top_p"):
         Sampling(top_p=0.0)
+
+
+def test_a_frozen_settings_record_is_a_frozen_argument_compared_by_value(gen):
+    # Regression: issue 34, generate() makes a new Sampling per call: compared by identity, the second call's equal
+    # settings were refused as "a frozen argument differs" (found by bench/hf_speculative.py).
+    from graphctl.models import Sampling
+
+    def fwd(x, s):
+        return probs_from_logits(x, s.temperature, s.top_k, s.top_p)
+
+    run = graphctl.graphed(fwd, buckets=[2], backend="emulated", progress=False, inputs=["x"])
+    x = torch.randn(2, 7, generator=gen)
+    run.capture_all(x, Sampling(0.8, 3, 0.9))
+    torch.testing.assert_close(run(x, Sampling(0.8, 3, 0.9)).clone(), fwd(x, Sampling(0.8, 3, 0.9)))
+    with pytest.raises(graphctl.ReplayError, match="frozen argument differs") as err:
+        run(x, Sampling(0.5, 3, 0.9))
+    assert "temperature=0.8" in err.value.expected and "temperature=0.5" in str(err.value.found)
