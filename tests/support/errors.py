@@ -450,6 +450,12 @@ def _mode_around_compiled() -> None:
     graphed(fwd, buckets=[2], backend="emulated", progress=False).capture_all(torch.ones(2, 3))
 
 
+def _sampling_per_step():
+    from graphctl.models import Sampling, graphed_step
+
+    graphed_step(_small_engine(), "per_step", sampling=Sampling(0.8))
+
+
 def _variant_runner(**kw):
     r = graphed(lambda x, k: x * k, buckets=[2], backend="emulated", progress=False, variants={"k": (1, 3)}, **kw)
     return r.capture_all(torch.ones(2, 3), 1)
@@ -1235,6 +1241,8 @@ CASES: list[Case] = [
          lambda: _region_result("shape")),
     Case("region-host-value", ReplayError, "replay", "an eager region returning another host value than at capture",
          lambda: _region_result("flag")),
+    Case("sampling-mode", DeclarationError, "declaration", "graphed_step(eng, 'per_step', sampling=...)",
+         _sampling_per_step),
 ]
 
 
