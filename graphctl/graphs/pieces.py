@@ -91,27 +91,26 @@ def restore(state: tuple[Any, Any]) -> None:
 
 
 @contextlib.contextmanager
-def regions(handler: Callable[[Callable[..., Any], tuple, dict], Any]) -> Iterator[None]:
+def _installed(slot: str, value: Any) -> Iterator[None]:
+    """``value`` in this thread's ``slot`` for the with-block, the previous one back after it."""
+    prev = getattr(_tls, slot, None)
+    setattr(_tls, slot, value)
+    try:
+        yield
+    finally:
+        setattr(_tls, slot, prev)
+
+
+def regions(handler: Callable[[Callable[..., Any], tuple, dict], Any]) -> contextlib.AbstractContextManager[None]:
     """While a backend captures in this thread: ``handler(fn, args, kwargs)`` takes every
     ``@eager`` call (ends the piece, runs the region, begins the next piece)."""
-    prev = getattr(_tls, "region", None)
-    _tls.region = handler
-    try:
-        yield
-    finally:
-        _tls.region = prev
+    return _installed("region", handler)
 
 
-@contextlib.contextmanager
-def boundary_check(check: Callable[[str], None] | None) -> Iterator[None]:
+def boundary_check(check: Callable[[str], None] | None) -> contextlib.AbstractContextManager[None]:
     """``check(region name)`` before every region of the capture running in this thread (the
     runner refuses a switch open across a boundary)."""
-    prev = getattr(_tls, "check", None)
-    _tls.check = check
-    try:
-        yield
-    finally:
-        _tls.check = prev
+    return _installed("check", check)
 
 
 def run_region(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, EagerRegion]:
