@@ -30,6 +30,9 @@ from graphctl.errors import CaptureError, DeclarationError
 from graphctl.graphs import GraphRunner, StaticInput, graphed, select_backend
 from graphctl.graphs.conditional import DeviceLoop
 from graphctl.models.mtp import MTPEngine, StepOutput
+from graphctl.models.sampled import Sampling, accept_sampled, draft_noise
+from graphctl.ops.sampling import noise, race
+from graphctl.state.snapshot import Snapshot
 
 __all__ = [
     "MODES",
@@ -50,7 +53,7 @@ class DynamicDraft:
     first-step ``kv_lens``, and the confidence threshold as a device scalar (changed without
     recapture through :meth:`set_threshold`)."""
 
-    def __init__(self, eng: MTPEngine, threshold: float = 0.0) -> None:
+    def __init__(self, eng: MTPEngine, threshold: float = 0.0, sampled: bool = False) -> None:
         S, k, dev = eng.cfg.max_seqs, eng.k, eng.device
         self.eng = eng
         self.counter = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -59,21 +62,40 @@ class DynamicDraft:
         self.proposals = torch.zeros(S, k, dtype=torch.int64, device=dev)
         self.base = torch.zeros(S, dtype=eng.meta.kv_lens.dtype, device=dev)
         self.threshold = torch.full((1,), float(threshold), device=dev)
+        # sampled: each step's law (past a request's stop the one-hot of token 0, the proposal there)
+        self.laws = torch.zeros(S if sampled else 0, k, eng.cfg.vocab, device=dev)
         self.loop = DeviceLoop(dev)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """The loop's own buffers by name (for the audit's ``params``)."""
         return {"loop.counter": self.counter, "loop.active": self.active, "loop.token": self.token,
                 "loop.proposals": self.proposals, "loop.base": self.base, "loop.threshold": self.threshold,
-                "loop.flag": self.loop.flag}
+                "loop.laws": self.laws, "loop.flag": self.loop.flag}
 
     def set_threshold(self, value: float) -> None:
         self.threshold.fill_(float(value))
 
     def step(self, input_ids: torch.Tensor, meta: Any) -> StepOutput:
         """One decode step whose draft loop the device ends (a forward for ``@graphed``)."""
+        accepted, bonus = self.eng.target_and_accept(input_ids)
+        return StepOutput(accepted, bonus, self._draft(input_ids, accepted, bonus, meta, None))
+
+    def sample_step(self, input_ids: torch.Tensor, draft_probs: torch.Tensor, meta: Any,
+                    sampling: Sampling) -> StepOutput:
+        """The sampled step (``models/sampled.py``) with the device ending its draft loop: the
+        noise of all k steps is drawn before the loop, the body races with the counter's slice
+        (a WHILE body replays the same random offsets each iteration: a draw inside would repeat)."""
+        if self.laws.shape[0] == 0:
+            raise DeclarationError("this device loop was built greedy", expected="DynamicDraft(..., sampled=True)",
+                                   found="sampled=False", fix="graphed_step(eng, 'device_loop', sampling=...)")
+        accepted, token = accept_sampled(self.eng, input_ids, draft_probs, sampling)
+        n = accepted.shape[0]
+        drafts = self._draft(input_ids, accepted, token, meta, sampling)
+        return StepOutput(accepted, token, drafts, self.laws[:n].reshape(n * self.eng.k, -1).clone())
+
+    def _draft(self, input_ids: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor, meta: Any,
+               sampling: Sampling | None) -> torch.Tensor:
         eng, st = self.eng, self.eng.state
-        accepted, bonus = eng.target_and_accept(input_ids)
         n = accepted.shape[0]
         active, token, base, props = self.active[:n], self.token[:n], self.base[:n], self.proposals[:n]
         with st.switch("draft"):
@@ -82,12 +104,23 @@ class DynamicDraft:
             props.zero_()
             torch.gt(base, 0, out=active)  # padded requests (base 0) are done at once: they never extend the loop
             self.counter.zero_()
+            if sampling is not None:
+                e = draft_noise(eng, eng.k)
+                laws = self.laws[:n]
+                laws.zero_()
+                laws[:, :, 0] = 1.0
 
             def body() -> None:
                 # finished requests keep their kv_lens
                 kv = torch.where(active, eng.draft_kv_lens(base, self.counter), meta.kv_lens[:n])
                 logits = eng.draft_step(token, kv, st.write)
-                new = logits.argmax(-1)
+                if sampling is None:
+                    new = logits.argmax(-1)
+                else:
+                    q = sampling.probs(logits)
+                    new = race(q, e.index_select(0, self.counter)[0])
+                    now = laws.index_select(1, self.counter)  # [n, 1, V]: one-hot 0 until written
+                    laws.index_copy_(1, self.counter, torch.where(active[:, None, None], q[:, None], now))
                 conf = torch.softmax(logits.float(), -1).amax(-1)
                 token.copy_(torch.where(active, new, token))
                 props.index_copy_(1, self.counter, torch.where(active, new, 0)[:, None])
@@ -98,8 +131,7 @@ class DynamicDraft:
                 ops.loop_condition_(flag, self.counter, eng.k, active, handle)
 
             self.loop.run(body, predicate, eng.k)
-            drafts = props.clone()
-        return StepOutput(accepted, bonus, drafts)
+            return props.clone()
 
 
 def draft_confidences(eng: MTPEngine, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,41 +161,69 @@ def expected_dynamic(drafts: torch.Tensor, conf: torch.Tensor, threshold: float)
 
 
 class PerStepLoop:
-    """``per_step`` mode: call it like ``engine.step`` (see the module docstring). Graphs are
-    captured at the first call, from its inputs, like ``@graphed``."""
+    """``per_step`` mode: call it like ``engine.step`` (see the module docstring), or with
+    ``sampling`` like ``engine.sample_step`` (``(input_ids, draft_probs, meta, sampling)``: the
+    target's half samples its acceptance, the draft prefill graph draws the noise of all k steps
+    (``models/sampled.py``), each replay of the step graph samples one token with the next slice
+    of it). Graphs are captured at the first call, from its inputs, like ``@graphed``."""
 
-    def __init__(self, eng: MTPEngine, buckets: Sequence[int], backend: str = "auto") -> None:
-        self.eng, k1 = eng, eng.k + 1
-        self.head = GraphRunner(self._target, buckets=buckets, state=eng.state, backend=backend,
-                                inputs=[StaticInput("input_ids", per_item=k1)], progress=False)
+    def __init__(self, eng: MTPEngine, buckets: Sequence[int], backend: str = "auto",
+                 sampling: Sampling | None = None) -> None:
+        self.eng, self.sampling, k, k1 = eng, sampling, eng.k, eng.k + 1
+        ins = [StaticInput("input_ids", per_item=k1)]
+        if sampling is not None:
+            ins.append(StaticInput("draft_probs", per_item=k))
+        self.head = GraphRunner(self._target if sampling is None else self._target_sampled, buckets=buckets,
+                                state=eng.state, backend=backend, inputs=ins, progress=False)
         self.backend_name = backend
-        S = eng.cfg.max_seqs
-        self.token = torch.zeros(S, dtype=torch.int64, device=eng.device)
-        self.proposals = torch.zeros(S, eng.k, dtype=torch.int64, device=eng.device)
+        S, V, dev = eng.cfg.max_seqs, eng.cfg.vocab, eng.device
+        self.token = torch.zeros(S, dtype=torch.int64, device=dev)
+        self.proposals = torch.zeros(S, k, dtype=torch.int64, device=dev)
+        if sampling is not None:  # the draft's noise, its law at the step replayed, every step's law, the step index
+            self.noise = torch.zeros(k, S, V, dtype=torch.float32, device=dev)
+            self.law = torch.zeros(S, V, dtype=torch.float32, device=dev)
+            self.laws = torch.zeros(S, k, V, dtype=torch.float32, device=dev)
+            self.at = torch.zeros(1, dtype=torch.int64, device=dev)
         self._graphs: dict[int, tuple[Any, Any]] = {}  # bucket -> (prefill graph, step graph)
         self._be: Any = None
 
     def _target(self, input_ids: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return self.eng.target_and_accept(input_ids)  # meta: frozen, so a call with another object is refused
 
+    def _target_sampled(self, input_ids: torch.Tensor, draft_probs: torch.Tensor, meta: Any,
+                        sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+        return accept_sampled(self.eng, input_ids, draft_probs, sampling)  # sampling: frozen (by value)
+
     def _draft_graphs(self, b: int) -> tuple[Any, Any]:
         """Capture the draft prefill and one draft step for bucket ``b``, in the draft role (the
-        caller holds the switch): they record the draft KV cache and the swapped tables."""
-        eng, be = self.eng, self._be
+        caller holds the switch): they record the draft KV cache and the swapped tables (and,
+        sampled, the draft's generator, which ``meta.generator`` is in here)."""
+        eng, be, sampling = self.eng, self._be, self.sampling
         ids = self.head.static_input("input_ids")[: b * (eng.k + 1)]
         token = self.token[:b]
 
         def prefill(_mark=None) -> None:
             eng.run_layers(ids, eng.draft_layers, eng.k + 1)
+            if sampling is not None:
+                noise(self.noise.shape, eng.meta.generator, eng.device, out=self.noise)
+                self.at.zero_()
 
         def step(_mark=None) -> None:
-            token.copy_(eng.run_layers(token, eng.draft_layers).argmax(-1))
+            logits = eng.run_layers(token, eng.draft_layers)
+            if sampling is None:
+                token.copy_(logits.argmax(-1))
+                return
+            q = sampling.probs(logits)
+            self.law[:b].copy_(q)
+            token.copy_(race(q, self.noise.index_select(0, self.at)[0]))
+            self.at.add_(1)
 
+        gens = () if sampling is None else (eng.meta.generator,)
         be.warmup(prefill)
-        p, _ = be.capture(prefill, self._pool, b)
+        p, _ = be.capture(prefill, self._pool, b, generators=gens)
         self._layout(b)
         be.warmup(step)
-        s, _ = be.capture(step, self._pool, b)
+        s, _ = be.capture(step, self._pool, b, generators=gens)
         return p, s
 
     def _layout(self, b: int) -> torch.Tensor:
@@ -171,24 +231,36 @@ class PerStepLoop:
         accepted = self.head.outputs(b)[0]  # the bucket's static acceptance (padding rows included)
         return self.eng.draft_layout(accepted, self.eng.state.write)
 
-    def capture_all(self, input_ids: torch.Tensor, meta: Any) -> PerStepLoop:
+    def _args(self, args: tuple) -> tuple:
+        want = ("meta",) if self.sampling is None else ("draft_probs", "meta", "sampling")
+        if len(args) != len(want):
+            raise TypeError(f"a per_step loop{' with sampling' if self.sampling else ''} is called "
+                            f"(input_ids, {', '.join(want)}); found {1 + len(args)} arguments")
+        return args
+
+    def capture_all(self, input_ids: torch.Tensor, *args: Any) -> PerStepLoop:
         eng, st = self.eng, self.eng.state
-        self.head.capture_all(input_ids, meta)
+        args = self._args(args)
+        self.head.capture_all(input_ids, *args)
         self._be = select_backend(self.backend_name, eng.device)
         self._pool = self._be.new_pool()
         n = input_ids.shape[0] // (eng.k + 1)
-        for b in sorted(self.head.captured, reverse=True):
-            m = min(n, b)
-            self.head(input_ids[: m * (eng.k + 1)], meta)  # loads the bucket's inputs, pads the state
-            with st.switch("draft"):
-                self._graphs[b] = self._draft_graphs(b)
+        # the loads, warmups and captures below draw from the engine's generators: put back after
+        with Snapshot([], generators=[g for _, g in st.bindings if isinstance(g, torch.Generator)]):
+            for b in sorted(self.head.captured, reverse=True):
+                m = min(n, b)
+                rows = [a[: m * eng.k] if i == 0 and self.sampling else a for i, a in enumerate(args)]
+                self.head(input_ids[: m * (eng.k + 1)], *rows)  # loads the bucket's inputs, pads the state
+                with st.switch("draft"):
+                    self._graphs[b] = self._draft_graphs(b)
         return self
 
-    def __call__(self, input_ids: torch.Tensor, meta: Any) -> StepOutput:
-        st, k = self.eng.state, self.eng.k
+    def __call__(self, input_ids: torch.Tensor, *args: Any) -> StepOutput:
+        eng, st, k = self.eng, self.eng.state, self.eng.k
+        args = self._args(args)
         if not self._graphs:
-            self.capture_all(input_ids, meta)
-        accepted, bonus = self.head(input_ids, meta)
+            self.capture_all(input_ids, *args)
+        accepted, bonus = self.head(input_ids, *args)
         n = accepted.shape[0]
         b = self.head.buckets.pick(n)
         if b not in self._graphs:
@@ -206,15 +278,19 @@ class PerStepLoop:
             self.token[:b].copy_(bonus_b)
             for i in range(k):
                 # the refresh between steps: derived maps follow, eagerly
-                st.write("kv_lens", self.eng.draft_kv_lens(base, i))
+                st.write("kv_lens", eng.draft_kv_lens(base, i))
                 step.replay()
                 self.proposals[:b, i].copy_(self.token[:b])
-        return StepOutput(accepted, bonus, self.proposals[:n])
+                if self.sampling is not None:
+                    self.laws[:b, i].copy_(self.law[:b])
+        if self.sampling is None:
+            return StepOutput(accepted, bonus, self.proposals[:n])
+        return StepOutput(accepted, bonus, self.proposals[:n], self.laws[:n].reshape(n * k, eng.cfg.vocab))
 
 
 def graphed_step(eng: MTPEngine, mode: str = "unrolled", *, buckets: Sequence[int] = (1, 2, 4, 8),
                  backend: str = "auto", threshold: float = 0.0, draft_lens: Sequence[int] | None = None,
-                 sampling: Any = None) -> Any:
+                 sampling: Sampling | None = None) -> Any:
     """A callable like ``eng.step`` (``(input_ids, meta) -> StepOutput``) graphed in ``mode``;
     ``threshold`` is the device loop's confidence threshold (``device_loop`` only; the returned
     runner's ``dynamic`` is its :class:`DynamicDraft`, whose ``set_threshold`` changes it without
@@ -222,23 +298,16 @@ def graphed_step(eng: MTPEngine, mode: str = "unrolled", *, buckets: Sequence[in
     ``draft_lens`` (``unrolled`` only): one runner serving every listed draft length ``k`` (each
     at most the engine's ``draft_len``) from its own graphs in one pool, called
     ``(input_ids, meta, k)`` (a :class:`~graphctl.graphs.variants.VariantRunner`). ``sampling``
-    (a :class:`~graphctl.models.sampled.Sampling`, ``unrolled`` only): the sampled step
-    ``eng.sample_step(input_ids, draft_probs, meta, sampling[, k])``; the settings are baked in."""
+    (a :class:`~graphctl.models.sampled.Sampling`, every mode): the sampled step, called like
+    ``eng.sample_step(input_ids, draft_probs, meta, sampling[, k])``; the settings are baked in
+    (a call with others is refused). One seed draws the same tokens in every mode."""
     if mode not in MODES:
         raise DeclarationError("unknown draft-loop mode", expected=" / ".join(MODES), found=mode,
                                fix="unrolled (one graph), per_step (one graph per step) or device_loop (WHILE node)")
-    if sampling is not None:
-        if mode != "unrolled":
-            raise DeclarationError("sampling needs mode='unrolled'", expected="unrolled", found=mode,
-                                   fix="graph the sampled step unrolled; per_step and device_loop draft greedily")
-        if draft_lens is not None:  # a graph set per k: rows per request follow k
-            ins = [StaticInput("input_ids", per_item_of=lambda k: k + 1),
-                   StaticInput("draft_probs", per_item_of=lambda k: k)]
-        else:
-            ins = [StaticInput("input_ids", per_item=eng.k + 1), StaticInput("draft_probs", per_item=eng.k)]
-        return graphed(eng.sample_step, buckets=list(buckets), state=eng.state, backend=backend, progress=False,
-                       inputs=ins, params=eng.named_tensors(),
-                       variants=None if draft_lens is None else {"k": tuple(draft_lens)})
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise DeclarationError("sampling settings of the wrong type", buffer="sampling", expected="a Sampling",
+                               found=type(sampling).__name__,
+                               fix="graphed_step(eng, sampling=Sampling(temperature, top_k, top_p))")
     if draft_lens is not None:
         if mode != "unrolled":
             raise DeclarationError("draft_lens needs mode='unrolled'", expected="unrolled", found=mode,
@@ -249,22 +318,25 @@ def graphed_step(eng: MTPEngine, mode: str = "unrolled", *, buckets: Sequence[in
             except ValueError as exc:
                 raise DeclarationError("a draft length the engine cannot hold", buffer="k",
                                        expected=f"1 <= k <= {eng.k}", found=repr(k), fix=str(exc)) from None
-        return graphed(eng.step, buckets=list(buckets), state=eng.state, backend=backend, progress=False,
-                       inputs=[StaticInput("input_ids", per_item_of=lambda k: k + 1)], params=eng.named_tensors(),
-                       variants={"k": tuple(draft_lens)})
-    inputs = [StaticInput("input_ids", per_item=eng.k + 1)]
+        # a graph set per k: rows per request follow k
+        ins = [StaticInput("input_ids", per_item_of=lambda k: k + 1)]
+        ins += [StaticInput("draft_probs", per_item_of=lambda k: k)] if sampling is not None else []
+    else:
+        ins = [StaticInput("input_ids", per_item=eng.k + 1)]
+        ins += [StaticInput("draft_probs", per_item=eng.k)] if sampling is not None else []
+    variants = None if draft_lens is None else {"k": tuple(draft_lens)}
     if mode == "unrolled":
-        return graphed(eng.step, buckets=list(buckets), state=eng.state, backend=backend, inputs=inputs,
-                       progress=False, params=eng.named_tensors())
+        return graphed(eng.step if sampling is None else eng.sample_step, buckets=list(buckets), state=eng.state,
+                       backend=backend, inputs=ins, progress=False, params=eng.named_tensors(), variants=variants)
     if mode == "per_step":
-        return PerStepLoop(eng, buckets, backend)
+        return PerStepLoop(eng, buckets, backend, sampling)
     if eng.device.type != "cuda" or backend == "emulated":
         raise CaptureError("device_loop needs CUDA", expected="a CUDA engine and backend 'cuda' or 'auto'",
                            found=f"engine on {eng.device}, backend {backend!r}",
                            fix="run on a GPU, or use mode='unrolled' or 'per_step' (both run on the emulated backend)")
-    dyn = DynamicDraft(eng, threshold)
-    return graphed(dyn.step, buckets=list(buckets), state=eng.state, backend=backend, inputs=inputs,
-                   progress=False, params={**eng.named_tensors(), **dyn.named_tensors()})
+    dyn = DynamicDraft(eng, threshold, sampled=sampling is not None)
+    return graphed(dyn.step if sampling is None else dyn.sample_step, buckets=list(buckets), state=eng.state,
+                   backend=backend, inputs=ins, progress=False, params={**eng.named_tensors(), **dyn.named_tensors()})
 
 
 def dynamic_of(runner: Any) -> DynamicDraft:

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from graphctl.ops.sampling import probs_from_logits, sample, speculative_accept
+from graphctl.ops.sampling import noise, probs_from_logits, race, sample, speculative_accept
 from graphctl.state import StateSpec, Swap
 
-__all__ = ["Sampling", "with_generators", "attach_generators", "sample_step", "sample_tokens"]
+__all__ = ["Sampling", "with_generators", "attach_generators", "sample_step", "sample_tokens", "accept_sampled",
+           "draft_noise"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,6 +57,26 @@ def attach_generators(meta: Any, device: torch.device, seed: int) -> None:
     meta.draft_generator = torch.Generator(device=device).manual_seed(seed + 1)
 
 
+def accept_sampled(eng: Any, input_ids: torch.Tensor, draft_probs: torch.Tensor, sampling: Sampling,
+                   k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's half of a sampled step: its forward over ``input_ids`` (``k + 1`` tokens a
+    request) and speculative acceptance of the ``k`` drafts drawn from ``draft_probs``
+    [n * k, vocab], from the target's generator; ``(accepted, token)``."""
+    k = eng.draft_len(k)
+    n, vocab = input_ids.shape[0] // (k + 1), eng.cfg.vocab
+    p = sampling.probs(eng.run_layers(input_ids, eng.target_layers, k + 1)).view(n, k + 1, vocab)
+    # noise for every row the engine holds: eager at n and a padded graph draw alike
+    return speculative_accept(p, draft_probs.view(n, k, vocab), input_ids.view(n, k + 1)[:, 1:],
+                              eng.meta.generator, eng.cfg.max_seqs)
+
+
+def draft_noise(eng: Any, k: int) -> torch.Tensor:
+    """The noise of all ``k`` draft steps, ``[k, max_seqs, vocab]``, in one draw from the bound
+    ``meta.generator`` (the draft's stream inside ``state.switch("draft")``): step ``i`` races
+    with ``[i]``, in every loop mode (a device loop indexes it by its counter)."""
+    return noise((k, eng.cfg.max_seqs, eng.cfg.vocab), eng.meta.generator, eng.device)
+
+
 def sample_step(eng: Any, input_ids: torch.Tensor, draft_probs: torch.Tensor, meta: Any,
                 sampling: Sampling, k: int | None = None) -> tuple[torch.Tensor, ...]:
     """One sampled speculative step for ``n = len(input_ids) / (k + 1)`` requests: ``input_ids``
@@ -64,17 +85,15 @@ def sample_step(eng: Any, input_ids: torch.Tensor, draft_probs: torch.Tensor, me
     drafts, draft_probs)``: ``token`` the resampled or bonus token, the next drafts and their laws."""
     k = eng.draft_len(k)
     n, vocab = input_ids.shape[0] // (k + 1), eng.cfg.vocab
-    p = sampling.probs(eng.run_layers(input_ids, eng.target_layers, k + 1)).view(n, k + 1, vocab)
-    rows = eng.cfg.max_seqs  # noise for every row the engine holds: eager at n and a padded graph draw alike
-    accepted, token = speculative_accept(p, draft_probs.view(n, k, vocab), input_ids.view(n, k + 1)[:, 1:],
-                                         eng.meta.generator, rows)
+    accepted, token = accept_sampled(eng, input_ids, draft_probs, sampling, k)
     st = eng.state
     with st.switch("draft"):  # meta.generator is the draft's stream in here
         base = eng.draft_begin(input_ids, accepted, st.write, k)
+        e = draft_noise(eng, k)
         tok, drafts, laws = token, [], []
         for i in range(k):
             q = sampling.probs(eng.draft_step(tok, eng.draft_kv_lens(base, i), st.write))
-            tok = sample(q, eng.meta.generator, rows)
+            tok = race(q, e[i])
             drafts.append(tok)
             laws.append(q)
     return accepted, token, torch.stack(drafts, 1), torch.stack(laws, 1).reshape(n * k, vocab)

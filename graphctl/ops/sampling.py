@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["probs_from_logits", "sample", "speculative_accept"]
+__all__ = ["probs_from_logits", "sample", "noise", "race", "speculative_accept"]
 
 _Setting = float | int | torch.Tensor
 
@@ -70,15 +70,31 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
     return torch.where(greedy, onehot, p)
 
 
+def noise(shape: tuple[int, ...] | torch.Size, generator: torch.Generator | None, device: torch.device,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """``Exp(1)`` noise of ``shape`` (float32) from ``generator``: what :func:`race` draws with.
+    One draw for several rounds (``[k, rows, vocab]``, indexed per round) lets a loop whose body
+    is one captured graph replayed on the device (a conditional WHILE node, where every
+    iteration would reuse the body's random offsets) draw what eager code draws. ``out``: a
+    float32 buffer of ``shape`` to draw into (the same numbers)."""
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=device)
+    return out.exponential_(generator=generator)
+
+
+def race(probs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` [n, vocab] from the noise ``e`` [>= n, vocab] (:func:`noise`):
+    ``argmax(p / e)``, an exact draw from ``p``."""
+    return (probs.float() / e[: probs.shape[0]]).argmax(-1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None, rows: int = 0) -> torch.Tensor:
     """One token per row of ``probs`` [n, vocab] (int64 [n]), drawn with ``generator``. ``rows``
     (>= n): draw noise for that many rows and use the first n, so the stream advances the same
     whatever n is: a graph at a padded bucket and eager code at n draw alike (row i's noise
     does not depend on the batch size)."""
     n = probs.shape[0]
-    e = torch.empty(max(rows, n), probs.shape[-1], dtype=torch.float32, device=probs.device)
-    e = e.exponential_(generator=generator)[:n]
-    return (probs.float() / e).argmax(-1)
+    return race(probs, noise((max(rows, n), probs.shape[-1]), generator, probs.device))
 
 
 def speculative_accept(target: torch.Tensor, draft: torch.Tensor, drafts: torch.Tensor,

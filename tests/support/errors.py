@@ -450,10 +450,10 @@ def _mode_around_compiled() -> None:
     graphed(fwd, buckets=[2], backend="emulated", progress=False).capture_all(torch.ones(2, 3))
 
 
-def _sampling_per_step():
-    from graphctl.models import Sampling, graphed_step
+def _sampling_not_settings():
+    from graphctl.models import graphed_step
 
-    graphed_step(_small_engine(), "per_step", sampling=Sampling(0.8))
+    graphed_step(_small_engine(), "per_step", sampling=0.8)
 
 
 def _variant_runner(**kw):
@@ -1241,8 +1241,8 @@ CASES: list[Case] = [
          lambda: _region_result("shape")),
     Case("region-host-value", ReplayError, "replay", "an eager region returning another host value than at capture",
          lambda: _region_result("flag")),
-    Case("sampling-mode", DeclarationError, "declaration", "graphed_step(eng, 'per_step', sampling=...)",
-         _sampling_per_step),
+    Case("sampling-type", DeclarationError, "declaration", "graphed_step(eng, sampling=0.8): not a Sampling",
+         _sampling_not_settings),
 ]
 
 

@@ -282,19 +282,22 @@ def test_piecewise_prefill_of_a_compiled_model_is_refused_and_the_whole_graph_wo
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
-@pytest.mark.parametrize("k", [0, 3])
-def test_seeded_sampling_gives_the_same_tokens_eager_and_graphed(name, k, backend, gen):
+@pytest.mark.parametrize("k, mode", [(0, ""), (3, "unrolled"), (3, "per_step"), (3, "device_loop")])
+def test_seeded_sampling_gives_the_same_tokens_eager_and_graphed(name, k, mode, backend, gen):
     # Regression: issue 34, the HF engine decoded greedily only: sampled at temperature 0.8, top-p 0.9, one seed gives
-    # the same tokens eager and graphed (a padded bucket: 3 requests in bucket 4), another seed other tokens.
+    # the same tokens eager and graphed in every loop mode (a padded bucket: 3 requests in bucket 4), another seed
+    # other tokens.
     from graphctl.models import Sampling
 
+    if mode == "device_loop" and backend != "cuda":
+        pytest.skip("device_loop needs CUDA")
     dev = "cuda" if backend == "cuda" else "cpu"
     eng = HFEngine.build(hf_config(name), draft_len=k, max_seqs=4, max_context=96, block_size=8,
                          seed=hf.seed_of(gen), device=dev)
     prompts = [p.to(dev) for p in hf.prompts(3, gen)]
     s = Sampling(0.8, 0, 0.9)
     if k:
-        step = graphed_step(eng, buckets=(1, 2, 4), backend=backend, sampling=s)
+        step = graphed_step(eng, mode, buckets=(1, 2, 4), backend=backend, sampling=s)
     else:
         step = graphctl.graphed(eng.sample_decode_step, buckets=[1, 2, 4], state=eng.state, backend=backend,
                                 inputs=[StaticInput("input_ids")], progress=False, params=eng.named_tensors())
@@ -307,6 +310,7 @@ def test_seeded_sampling_gives_the_same_tokens_eager_and_graphed(name, k, backen
     greedy = eng.generate(prompts, 8)
     assert [t.tolist() for t in eng.generate(prompts, 8, temperature=0.0, seed=5).tokens] == \
         [t.tolist() for t in greedy.tokens]
-    assert step.report().random_state == ()  # the declared generators only
+    head = step.head if mode == "per_step" else step
+    assert head.report().random_state == ()  # the declared generators only
     with pytest.raises(ValueError, match="top_p"):
         eng.generate(prompts, 2, temperature=0.8, top_p=0.0)

@@ -190,6 +190,41 @@ def test_seeded_sampling_is_the_same_eager_and_graphed(oracle, backend, gen):
     assert sum(b.replays for b in step.report().buckets) == 6 and step.report().random_state == ()
 
 
+@pytest.mark.parametrize("mode", ["per_step", "device_loop"])
+def test_seeded_sampling_is_the_same_in_every_loop_mode(mode, backend, gen):
+    # Regression: issue 34, per_step and device_loop drafted greedily only (graphed_step refused sampling there); a
+    # WHILE body replays its random offsets each iteration, so the draft's noise is drawn once for all k steps.
+    from graphctl.models import Sampling, graphed_step
+
+    if mode == "device_loop" and backend != "cuda":
+        pytest.skip("device_loop needs CUDA")
+    eng = _engine("cuda" if backend == "cuda" else "cpu", oracle=False)
+    s = Sampling(temperature=2.0, top_p=0.95)  # the engine's wide margins: at 0.8 the draws hardly vary
+    prompts = eng.prompts(3, gen)
+    step = graphed_step(eng, mode, buckets=(1, 2, 4), backend=backend, sampling=s)
+    eager = eng.sample(prompts, 6, s, seed=7)
+    graphed = eng.sample(prompts, 6, s, forward=step, seed=7)
+    assert [t.tolist() for t in graphed] == [t.tolist() for t in eager]
+    again = eng.sample(prompts, 6, s, forward=step, seed=8)
+    assert [t.tolist() for t in again] == [t.tolist() for t in eng.sample(prompts, 6, s, seed=8)]
+    assert [t.tolist() for t in again] != [t.tolist() for t in eager]
+    with pytest.raises(graphctl.ReplayError, match="sampling"):  # the settings are baked in
+        eng.sample(prompts, 1, Sampling(temperature=0.5), forward=step, seed=7)
+
+
+def test_a_greedy_per_step_loop_called_like_a_sampled_step_is_a_clear_error(gen):
+    # Regression: issue 34, a per_step loop takes (input_ids, meta) greedy and (input_ids, draft_probs, meta,
+    # sampling) sampled; the other form must name what it expects, not fail inside the head's binding.
+    from graphctl.models import Sampling, graphed_step
+
+    eng = _engine("cpu", oracle=False)
+    loop = graphed_step(eng, "per_step", buckets=(4,), backend="emulated")
+    with pytest.raises(TypeError, match="input_ids, meta"):
+        eng.sample(eng.prompts(2, gen), 1, Sampling(0.8), forward=loop, seed=1)
+    with pytest.raises(graphctl.DeclarationError, match="Sampling"):
+        graphed_step(eng, "per_step", sampling=0.8)
+
+
 def test_sampling_at_temperature_zero_is_the_greedy_decode(gen):
     # Regression: issue 34, temperature 0 must be today's greedy tokens through the sampled path.
     from graphctl.models import Sampling
