@@ -10,14 +10,18 @@ pool), side by side in one run:
   (floor) reading that KV once: half the time of copying a dense buffer of the same bytes (a
       copy reads and writes each byte), i.e. the bytes over the measured copy bandwidth.
 
-Each timed with CUDA events, ``--iters`` calls per repeat, median of ``--repeats``; targets:
-(a) <= 1.25 x floor (issue 32). ``--q`` tokens a request (4: a k=3 target verify).
+Each path is captured as a CUDA graph of ``--iters`` calls (as the engine runs it: device time,
+no launch overhead) and timed by replaying it between CUDA events, median of ``--repeats``;
+target: (a) <= 1.25 x floor (issue 32). ``--q`` tokens a request (4: a k=3 target verify).
+``--sweep`` also times the kernel under each launch configuration (split-K waves, keys a loop
+iteration, warps, pipeline stages; each checked against the reference) and names the fastest.
 
-    python bench/paged_attention.py [--rows 32] [--context 2048] [--q 1] [--repeats 7] [--json out.json]
+    python bench/paged_attention.py [--rows 32] [--context 2048] [--q 1] [--repeats 7] [--sweep] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -28,16 +32,45 @@ import torch
 import graphctl.ops.attention as attention
 
 
-def _time_ms(fn, iters: int) -> float:
+def _graph(fn, iters: int) -> torch.cuda.CUDAGraph:
+    """``iters`` calls of ``fn`` captured as one CUDA graph (after one eager call: Triton compiles)."""
     fn()
     torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+def _time_ms(g: torch.cuda.CUDAGraph, iters: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        fn()
+    g.replay()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def _sweep(args: tuple, want: torch.Tensor, iters: int, repeats: int) -> list[tuple[float, object]]:
+    """(median ms, Launch) of every launch configuration tried, fastest first; each checked first."""
+    from graphctl.ops.attention_triton import Launch, paged_attention
+
+    rows = []
+    for waves, block_n, warps, stages in itertools.product((1, 2, 4, 8), (32, 64, 128), (4, 8), (2, 3)):
+        launch = Launch(waves=waves, block_n=block_n, num_warps=warps, num_stages=stages)
+        try:
+            got = paged_attention(*args, launch=launch)
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+            g = _graph(lambda launch=launch: paged_attention(*args, launch=launch), iters)
+        except Exception as exc:  # a configuration Triton cannot build here (registers, shared memory)
+            print(f"  {launch}: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
+            continue
+        rows.append((statistics.median(_time_ms(g, iters) for _ in range(repeats)), launch))
+        del g
+    return sorted(rows, key=lambda r: r[0])
 
 
 def main() -> int:
@@ -51,6 +84,7 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--sweep", action="store_true", help="time every launch configuration too")
     ap.add_argument("--json")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -72,16 +106,18 @@ def main() -> int:
     triton_kernel = attention.kernel_for(q)
     assert triton_kernel is not attention.reference, "the Triton kernel is not available here"
     got = triton_kernel(q, k, v, table, req, pos, scale)
-    torch.testing.assert_close(got.float(), attention.reference(q, k, v, table, req, pos, scale).float(),
-                               rtol=2e-2, atol=2e-2)
+    want = attention.reference(q, k, v, table, req, pos, scale).float()
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
     kv_bytes = 2 * R * C * KVH * D * k.element_size()
     dense = torch.empty(kv_bytes // 2, dtype=torch.int16, device=dev)
     other = torch.empty_like(dense)
-    runs: dict[str, list[float]] = {"triton": [], "reference": [], "floor": []}
+    graphs = {"triton": _graph(lambda: triton_kernel(q, k, v, table, req, pos, scale), a.iters),
+              "reference": _graph(lambda: attention.reference(q, k, v, table, req, pos, scale), a.iters),
+              "floor": _graph(lambda: other.copy_(dense), a.iters)}
+    runs: dict[str, list[float]] = {n: [] for n in graphs}
     for _ in range(a.repeats):  # interleaved: clock drift hits all three alike
-        runs["triton"].append(_time_ms(lambda: triton_kernel(q, k, v, table, req, pos, scale), a.iters))
-        runs["reference"].append(_time_ms(lambda: attention.reference(q, k, v, table, req, pos, scale), a.iters))
-        runs["floor"].append(_time_ms(lambda: other.copy_(dense), a.iters) / 2)
+        for n, g in graphs.items():
+            runs[n].append(_time_ms(g, a.iters) / (2 if n == "floor" else 1))
     med = {n: statistics.median(v) for n, v in runs.items()}
     ratio = med["triton"] / med["floor"]
     info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=R, context=C, q=a.q, heads=H,
@@ -95,6 +131,12 @@ def main() -> int:
           f"{med['floor']:.4f} ms ({info['copy_gbps']:.0f} GB/s)")
     print(f"  triton / floor {ratio:.2f}x (target <= 1.25: {'MET' if ratio <= 1.25 else 'MISSED'}); "
           f"reference / triton {info['reference_over_triton']:.2f}x")
+    if a.sweep:
+        swept = _sweep((q, k, v, table, req, pos, scale), want, a.iters, 3)
+        print(f"  sweep ({len(swept)} launches, median of 3; fastest first):")
+        for ms, launch in swept[:8]:
+            print(f"    {ms:.4f} ms  {ms / med['floor']:.2f}x floor  {launch}")
+        info["sweep"] = [dict(ms=ms, over_floor=ms / med["floor"], **vars(launch)) for ms, launch in swept]
     if a.json:
         with open(a.json, "w") as f:
             json.dump(info, f, indent=1)

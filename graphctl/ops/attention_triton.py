@@ -12,7 +12,7 @@ into a CUDA graph.
 Split-K: where ``T x KVH`` programs would leave SMs idle (small batches, long contexts), each
 (token, KV head) pair's keys are split over more programs (:func:`splits_for`, from shapes only,
 so a graph's launch is fixed), each writing its unnormalised sum with its running max and sum,
-combined afterwards with the weights ``exp(m_s - max m)``.
+combined afterwards by a second kernel with the weights ``exp(m_s - max m)``.
 
 Importing this module imports Triton (``graphctl.ops.attention`` imports it lazily, and falls back
 to the reference where Triton is missing). ``TRITON_INTERPRET=1`` (Triton's own variable, read when
@@ -21,6 +21,7 @@ compare it with the reference that way.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["paged_attention"]
+__all__ = ["paged_attention", "Launch", "splits_for"]
 
 
 @functools.cache
@@ -96,23 +97,64 @@ def _kernel() -> Any:
             out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
             tl.store(OUT + out_off, out.to(OUT.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
-    return graphctl_paged_attention
+    @triton.jit
+    def graphctl_paged_attention_combine(PART, M, L, OUT, S, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                                         BLOCK_D: tl.constexpr):
+        # one program per (token, head): its S partial sums weighted by exp(m_s - max m), over the weighted sums
+        th = tl.program_id(0)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_s = offs_s < S
+        m = tl.load(M + th * S + offs_s, mask=mask_s, other=float("-inf"))
+        lse = tl.load(L + th * S + offs_s, mask=mask_s, other=0.0)
+        top = tl.max(m, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: every weight is 0
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+        total = tl.sum(w * lse, 0)
+        part = tl.load(PART + (th * S + offs_s[:, None]) * D + offs_d[None, :],
+                       mask=mask_s[:, None] & (offs_d[None, :] < D), other=0.0)
+        acc = tl.sum(w[:, None] * part, 0)
+        out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
+        tl.store(OUT + th * D + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < D)
 
+    return graphctl_paged_attention, graphctl_paged_attention_combine
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How the kernel is launched (shapes only: fixed for a graph). ``waves``: split-K aims at
+    ``waves`` programs an SM (:func:`splits_for`); ``block_n``: keys a loop iteration (0: 64, or
+    32 for head dims over 128); ``num_warps`` / ``num_stages``: Triton's. ``bench/paged_attention.py
+    --sweep`` measures the alternatives on a GPU."""
+
+    waves: int = 2
+    block_n: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT = Launch()
 
 # keys a split program covers at least: below this the partial results cost more than they save
 _MIN_KEYS_A_SPLIT = 256
 
 
-def splits_for(T: int, kvh: int, keys: int, sms: int) -> int:
-    """Programs a (token, KV head) pair's keys are split over: enough to give every SM two
+def splits_for(T: int, kvh: int, keys: int, sms: int, waves: int = DEFAULT.waves) -> int:
+    """Programs a (token, KV head) pair's keys are split over: enough to give every SM ``waves``
     programs, none covering fewer than ``_MIN_KEYS_A_SPLIT`` keys. Shapes only: fixed for a graph."""
-    want = -(-2 * sms // max(T * kvh, 1))
+    want = -(-waves * sms // max(T * kvh, 1))
     return max(1, min(want, keys // _MIN_KEYS_A_SPLIT))
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (1 off CUDA: the interpreter), asked once."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     req_idx: torch.Tensor, positions: torch.Tensor, scale: float,
-                    splits: int | None = None) -> torch.Tensor:
+                    splits: int | None = None, launch: Launch = DEFAULT) -> torch.Tensor:
     """Launch the kernel (arguments as ``graphctl.ops.attention.paged_attention``'s, checked there);
     ``splits``: programs a token's keys are split over (default :func:`splits_for` this device)."""
     T, H, D = q.shape
@@ -125,30 +167,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     keys = bt.shape[1] * bs
     if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-        splits = splits_for(T, kvh, keys, sms)
+        splits = splits_for(T, kvh, keys, _sms(q.device), launch.waves)
     # tl.dot needs every dimension >= 16; key blocks of 64 (a page of 16 read four at a time)
     block_g, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(D))
-    block_n = 64 if block_d <= 128 else 32
+    block_n = launch.block_n or (64 if block_d <= 128 else 32)
     chunk = -(-keys // splits)
     chunk = -(-chunk // block_n) * block_n  # whole key blocks a split
     splits = -(-keys // chunk)
     meta = dict(KVH=kvh, G=g, D=D, BS=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-                IEEE=q.dtype == torch.float32, SPLIT=splits > 1)
+                IEEE=q.dtype == torch.float32, SPLIT=splits > 1, num_warps=launch.num_warps,
+                num_stages=launch.num_stages)
+    attend, combine = _kernel()
     if splits == 1:
-        _kernel()[(T, kvh, 1)](q, k_cache, v_cache, bt, req_idx, positions, out, out, out, float(scale), bt.shape[0],
-                               bt.shape[1], chunk, q.stride(0), q.stride(1), bt.stride(0), out.stride(0),
-                               out.stride(1), 0, **meta)
+        attend[(T, kvh, 1)](q, k_cache, v_cache, bt, req_idx, positions, out, out, out, float(scale), bt.shape[0],
+                            bt.shape[1], chunk, q.stride(0), q.stride(1), bt.stride(0), out.stride(0),
+                            out.stride(1), 0, **meta)
         return out
     part = torch.empty((T, H, splits, D), dtype=torch.float32, device=q.device)
     m = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
     lse = torch.empty_like(m)
-    _kernel()[(T, kvh, splits)](q, k_cache, v_cache, bt, req_idx, positions, part, m, lse, float(scale),
-                                bt.shape[0], bt.shape[1], chunk, q.stride(0), q.stride(1), bt.stride(0),
-                                part.stride(0), part.stride(1), part.stride(2), **meta)
-    # combine the splits: weights exp(m_s - max m) (a split with no keys has m = -inf: weight 0)
-    top = m.amax(2, keepdim=True)
-    w = torch.where(torch.isfinite(m), torch.exp(m - torch.where(torch.isfinite(top), top, 0.0)), 0.0)
-    total = (w * lse).sum(2, keepdim=True)
-    combined = (w[..., None] * part).sum(2) / torch.where(total > 0, total, 1.0)
-    return out.copy_(combined)
+    attend[(T, kvh, splits)](q, k_cache, v_cache, bt, req_idx, positions, part, m, lse, float(scale),
+                             bt.shape[0], bt.shape[1], chunk, q.stride(0), q.stride(1), bt.stride(0),
+                             part.stride(0), part.stride(1), part.stride(2), **meta)
+    # the splits combined in one more launch (eight PyTorch ops before: launches a graph replays too)
+    combine[(T * H,)](part, m, lse, out, splits, D=D, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
+    return out

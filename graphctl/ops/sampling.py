@@ -46,28 +46,56 @@ def _check(temperature: _Setting, top_k: _Setting, top_p: _Setting) -> None:
 def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: _Setting = 0,
                       top_p: _Setting = 1.0) -> torch.Tensor:
     """[rows, vocab] logits -> float32 probabilities after temperature, top-k (0: off) and top-p
-    (1.0: off). A row at temperature 0 is the one-hot of its argmax (greedy)."""
+    (1.0: off). A row at temperature 0 is the one-hot of its argmax (greedy). Top-p keeps the
+    smallest set of most likely tokens whose mass reaches ``top_p``, with every token tied with
+    the least likely one kept (ties never split by sort order: the same set on every device)."""
     _check(temperature, top_k, top_p)
+    rows, vocab = logits.shape
+    if not isinstance(temperature, torch.Tensor) and temperature <= 0:  # greedy: nothing else matters
+        return _onehot(logits)
     x = logits.float()
-    rows, vocab = x.shape
-    t = _column(temperature, rows, x)
-    greedy = t <= 0
-    x = x / torch.where(greedy, torch.ones_like(t), t)
-    if isinstance(top_k, torch.Tensor) or top_k:
+    x = x / _scale(temperature, rows, x)
+    xs = None  # the scaled logits sorted descending, where top-k sorted them already
+    if isinstance(top_k, torch.Tensor):
         k = _column(top_k, rows, x).long().clamp(min=0, max=vocab)
         k = torch.where(k == 0, torch.full_like(k, vocab), k)  # 0: off
         kth = x.sort(-1, descending=True).values.gather(-1, k - 1)  # the k-th largest logit of each row
         x = x.masked_fill(x < kth, float("-inf"))
+    elif top_k and top_k < vocab:  # a host k: a selection, no sort of the vocabulary
+        xs = x.topk(int(top_k), -1).values  # sorted: the candidates top-p chooses from
+        x = x.masked_fill(x < xs[:, -1:], float("-inf"))
     p = torch.softmax(x, -1)
     if isinstance(top_p, torch.Tensor) or top_p < 1.0:
-        sp, idx = p.sort(-1, descending=True)
-        before = sp.cumsum(-1) - sp  # mass of the strictly more likely tokens
-        drop = before >= _column(top_p, rows, x)  # keep the smallest prefix reaching top_p (the top token always)
-        sp = sp.masked_fill(drop, 0.0)
-        p = torch.zeros_like(p).scatter_(-1, idx, sp)
+        # The order of p is the order of the logits (temperature and top-k are monotone per row), so
+        # the logits are sorted (16-bit ones: half the bytes of p's float32) and p in that order is
+        # exp(xs - max) / Z, with 1 / Z = max p: no gather of p by index. Kept: every token whose
+        # more likely tokens hold less than top_p (those with running mass below it and the first
+        # to reach it), and every token with a logit tied with the last one kept.
+        if xs is None and logits.element_size() < 4 and not isinstance(top_k, torch.Tensor):
+            xs = logits.sort(-1, descending=True).values.float() / _scale(temperature, rows, x)
+        elif xs is None:
+            xs = x.sort(-1, descending=True).values
+        cum = (torch.exp(xs - xs[:, :1]) * p.amax(-1, keepdim=True)).cumsum(-1)
+        keep = ((cum < _column(top_p, rows, x)).sum(-1, keepdim=True) + 1).clamp(max=xs.shape[-1])
+        p = torch.where(x >= xs.gather(-1, keep - 1), p, 0.0)
         p = p / p.sum(-1, keepdim=True)
-    onehot = torch.zeros_like(p).scatter_(-1, logits.float().argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy, onehot, p)
+    if isinstance(temperature, torch.Tensor):
+        p = torch.where(_column(temperature, rows, x) <= 0, _onehot(logits), p)
+    return p
+
+
+def _scale(temperature: _Setting, rows: int, like: torch.Tensor) -> torch.Tensor | float:
+    """What the logits are divided by: the temperature, 1 in greedy rows (their one-hot replaces them)."""
+    if not isinstance(temperature, torch.Tensor):
+        return float(temperature)
+    t = _column(temperature, rows, like)
+    return torch.where(t <= 0, torch.ones_like(t), t)
+
+
+def _onehot(logits: torch.Tensor) -> torch.Tensor:
+    """The float32 one-hot of each row's argmax: greedy as a distribution."""
+    return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
+        -1, logits.argmax(-1, keepdim=True), 1.0)
 
 
 def noise(shape: tuple[int, ...] | torch.Size, generator: torch.Generator | None, device: torch.device,
@@ -118,11 +146,13 @@ def speculative_accept(target: torch.Tensor, draft: torch.Tensor, drafts: torch.
     # accept with probability min(1, p/q): u * q < p (q > 0 where the draft drew the token)
     ok = (u * q_d < p_d).long()
     accepted = 1 + ok.cumprod(1).sum(1)  # drafts kept before the first rejection, plus the emitted token
-    residual = (t[:, :k] - q).clamp(min=0)  # where each position would resample from
-    mass = residual.sum(-1, keepdim=True)
-    # a zero residual (p == q there, so that position never rejects) falls back to p: never drawn from
-    residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(torch.float32).tiny), t[:, :k])
-    choose = torch.cat([residual, t[:, k:]], 1)  # position j < k: resample; position k: the bonus
+    # The one position each row draws at: its first rejection (resampled from max(0, p - q)) or k
+    # (the bonus, from p). Only that row of the residual is formed; race needs no normalising.
     at = (accepted - 1).view(n, 1, 1).expand(n, 1, vocab)
-    token = sample(choose.gather(1, at).squeeze(1), generator, rows)
+    p_at = t.gather(1, at).squeeze(1)
+    q_at = q.gather(1, at.clamp(max=k - 1)).squeeze(1) * (accepted <= k).unsqueeze(1)
+    residual = (p_at - q_at).clamp(min=0)
+    # a zero residual (p == q there, so that position never rejects) falls back to p: never drawn from
+    law = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
+    token = sample(law, generator, rows)
     return accepted, token

@@ -74,7 +74,7 @@ def test_reference_equals_a_per_token_loop(gen, dtype, shape):
 _TRITON_CHECK = r"""
 import sys, torch
 from graphctl.ops.attention import reference
-from graphctl.ops.attention_triton import paged_attention
+from graphctl.ops.attention_triton import Launch, paged_attention
 sys.path.insert(0, sys.argv[1])
 from unit.test_attention import _case
 gen = torch.Generator().manual_seed(int(sys.argv[2]))
@@ -87,8 +87,10 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16
                   dict(H=8, KVH=2, D=16, BS=8, B=33, R=3, q_per_row=3)):  # 264 keys: up to 5 splits of 64
         case = _case(gen, dtype, **shape)
         want = reference(*case)
-        for splits in (None, 2, 5):  # split-K: partial softmaxes combined (one split: the kernel alone)
-            got = paged_attention(*case, splits=splits)  # into torch.empty: every element written, dead ones too
+        # split-K: partial softmaxes combined (one split: the kernel alone); keys 32 or 128 a loop iteration
+        for splits, launch in ((None, Launch()), (2, Launch()), (5, Launch()), (3, Launch(block_n=32)),
+                               (1, Launch(block_n=128))):
+            got = paged_attention(*case, splits=splits, launch=launch)  # into torch.empty: every element written
             assert not got.isnan().any(), (dtype, shape, splits)
             dead = case[4] >= shape["R"]
             assert torch.equal(got[dead], torch.zeros_like(got[dead])), (dtype, shape, splits)

@@ -36,7 +36,7 @@ def test_filtering_equals_a_direct_computation(rows, vocab, dtype, gen):
     # Regression: issue 34, temperature/top-k/top-p filtering must equal the definitions, every dtype, odd sizes.
     logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
     x = logits.float()
-    for t, k, p in ((1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (0.8, 3, 0.5)):
+    for t, k, p in ((1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (0.8, 3, 0.5), (3.0, 6, 0.8)):
         got = probs_from_logits(logits, t, k, p)
         want = torch.zeros(rows, vocab)
         for r in range(rows):
@@ -48,8 +48,8 @@ def test_filtering_equals_a_direct_computation(rows, vocab, dtype, gen):
             if p < 1:
                 order = q.argsort(descending=True)
                 cum = q[order].cumsum(0) - q[order]
-                q2 = torch.zeros_like(q)
-                q2[order[cum < p]] = q[order[cum < p]]
+                least = q[order][cum < p][-1]  # the least likely kept token: its ties are kept with it
+                q2 = torch.where(q >= least, q, 0.0)
                 q = q2 / q2.sum()
             want[r] = q
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -62,6 +62,19 @@ def test_filtering_equals_a_direct_computation(rows, vocab, dtype, gen):
     for r in range(rows):
         one = probs_from_logits(logits[r:r + 1], float(ts[r]), int(ks[r]), float(ps[r]))
         torch.testing.assert_close(per_row[r:r + 1], one)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_p_keeps_every_token_tied_with_the_least_likely_kept_one(dtype, gen):
+    # Regression: issue 34, top-p split tied tokens by sort order (an unstable sort: a different set per device).
+    vocab = 41
+    logits = torch.randn(3, vocab, generator=gen).to(dtype)
+    logits[:, :6] = 4.0  # six tokens tied at the top: together about 0.9 of the mass
+    p = torch.softmax(logits.float(), -1)
+    one = float(p[0, 0])  # top_p inside the second tied token's share: the sort keeps two, all six must stay
+    got = probs_from_logits(logits, 1.0, 0, 1.5 * one)
+    assert torch.equal((got > 0).sum(-1), torch.full((3,), 6)), got
+    torch.testing.assert_close(got[:, :6], torch.full((3, 6), 1 / 6))
 
 
 @pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5},
