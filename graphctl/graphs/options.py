@@ -8,7 +8,8 @@ instance's state (``dataclasses.replace``), never a copy kept in step by hand.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from graphctl.errors import DeclarationError, did_you_mean
@@ -17,7 +18,7 @@ from graphctl.graphs.effects import POLICIES
 from graphctl.graphs.hoststate import HOST_POLICIES
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
 
-__all__ = ["Options", "FALLBACKS", "VariantValues", "SharedPool"]
+__all__ = ["Options", "FALLBACKS", "VariantValues", "SharedPool", "per_instance"]
 
 FALLBACKS = ("error", "eager")
 # a variant argument's values: (value, its own buckets or None), per argument name, in declared order
@@ -189,3 +190,15 @@ def variant_key(v: Any) -> Any:
 def _one_of(what: str, value: Any, allowed: Sequence[str], fix: str) -> None:
     if value not in allowed:
         raise DeclarationError(f"unknown {what}", expected=" / ".join(map(repr, allowed)), found=repr(value), fix=fix)
+
+
+def per_instance(fn: Callable[..., Any], opts: Options, obj: Any, make: Callable[[Any, Options], Any]) -> Any:
+    """The runner a ``@graphed`` method has on ``obj``: made once by ``make(bound method, options)``
+    and kept in the instance (its own graphs, inputs and state); ``state="attr"`` is read off it."""
+    key = f"_graphctl_runner_{fn.__name__}"
+    runner = obj.__dict__.get(key)
+    if runner is None:
+        if isinstance(opts.state, str):
+            opts = dataclasses.replace(opts, state=getattr(obj, opts.state))
+        runner = obj.__dict__[key] = make(types.MethodType(fn, obj), opts)
+    return runner

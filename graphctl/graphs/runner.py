@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -52,7 +51,7 @@ from graphctl.graphs.distributed import Agreement, agreed_switch
 from graphctl.graphs.effects import SideEffect
 from graphctl.graphs.hoststate import HostChange
 from graphctl.graphs.inputs import StaticInput
-from graphctl.graphs.options import Options
+from graphctl.graphs.options import Options, per_instance
 from graphctl.graphs.passes import capture_buckets
 from graphctl.graphs.repoint import repoint
 from graphctl.knobs import knobs
@@ -127,14 +126,7 @@ class GraphRunner:
         """A decorated method gets one runner per instance (its own graphs, inputs and state)."""
         if obj is None:
             return self
-        key = f"_graphctl_runner_{self.fn.__name__}"
-        runner = obj.__dict__.get(key)
-        if runner is None:
-            opts = self.options
-            if self._state_attr is not None:
-                opts = dataclasses.replace(opts, state=getattr(obj, self._state_attr))
-            runner = obj.__dict__[key] = GraphRunner(types.MethodType(self.fn, obj), opts)
-        return runner
+        return per_instance(self.fn, self.options, obj, GraphRunner)
 
     # -------------------------------------------------------------------------- capture
 

@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +40,7 @@ from graphctl.graphs.analysis.verify import VerifyResult
 from graphctl.graphs.bucket import gc_held
 from graphctl.graphs.calls import Signature
 from graphctl.graphs.inputs import Buckets, StaticInput
-from graphctl.graphs.options import Options, SharedPool, variant_key
+from graphctl.graphs.options import Options, SharedPool, per_instance, variant_key
 from graphctl.graphs.runner import GraphRunner
 
 __all__ = ["Variant", "VariantRunner"]
@@ -110,14 +109,7 @@ class VariantRunner:
         """A decorated method gets one variant runner per instance, as :class:`GraphRunner` does."""
         if obj is None:
             return self
-        key = f"_graphctl_runner_{self.fn.__name__}"
-        runner = obj.__dict__.get(key)
-        if runner is None:
-            opts = self.options
-            if isinstance(opts.state, str):
-                opts = dataclasses.replace(opts, state=getattr(obj, opts.state))
-            runner = obj.__dict__[key] = VariantRunner(types.MethodType(self.fn, obj), opts)
-        return runner
+        return per_instance(self.fn, self.options, obj, VariantRunner)
 
     # ------------------------------------------------------------------ capture and calls
 
