@@ -67,7 +67,8 @@ def main() -> int:
         print("bench/sampling.py: no CUDA device (--device cpu times the host)", file=sys.stderr)
         return 2
     dev, k, V = torch.device(a.device), a.k, a.vocab
-    gen = torch.Generator(device=dev).manual_seed(0)
+    # on CUDA the default generator: torch.cuda.graph registers it with each capture
+    gen = torch.Generator(device=dev).manual_seed(0) if not cuda else None
     rows_out = []
     for bs in a.sizes:
         tl = torch.randn(bs * (k + 1), V, device=dev).mul_(3).to(torch.bfloat16)  # target logits
