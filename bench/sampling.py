@@ -6,10 +6,13 @@ side by side in one run, each captured as a CUDA graph of ``--iters`` calls (dev
 engine replays it) and timed between CUDA events, median of ``--repeats``:
 
   greedy     argmax of the target rows and of the draft rows (what a greedy step does);
-  probs      ``probs_from_logits`` (temperature 0.8, top-p 0.9) of the target rows and draft rows;
+  probs      ``probs_from_logits`` (temperature 0.8, top-p 0.9) of the target rows and draft rows:
+             on CUDA the Triton kernel for vocabularies up to 32,768 (``GRAPHCTL_SAMPLING=auto``);
+  probs_ref  the same under ``GRAPHCTL_SAMPLING=reference`` (PyTorch: sort and scan);
   sort       sorting those rows' logits alone (top-p's floor with a sort);
   accept     ``speculative_accept`` over the target's and draft's probabilities;
-  sampled    probs + the draft rows' races + accept: what sampling adds to a step, all told.
+  sampled    probs + the draft rows' races + accept: what sampling adds to a step, all told (and
+             ``sampled_ref`` with the reference filtering).
 
     python bench/sampling.py [--sizes 1 8 32] [--k 3] [--vocab 128256] [--device cpu] [--json out.json]
 """
@@ -23,6 +26,7 @@ import time
 
 import torch
 
+from graphctl import knobs
 from graphctl.ops.sampling import noise, probs_from_logits, race, speculative_accept
 
 
@@ -107,6 +111,9 @@ def main() -> int:
 
         timers = {n: _timer(f, a.iters, cuda) for n, f in
                   (("greedy", greedy), ("probs", probs), ("sort", sort), ("accept", accept), ("sampled", sampled))}
+        with knobs.scope(sampling="reference"):  # the choice is made at capture: the graph keeps it
+            timers["probs_ref"] = _timer(probs, a.iters, cuda)
+            timers["sampled_ref"] = _timer(sampled, a.iters, cuda)
         runs: dict[str, list[float]] = {n: [] for n in timers}
         for _ in range(a.repeats):  # interleaved
             for n, t in timers.items():

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["KNOBS", "Knob", "knobs", "scope", "markdown_table"]
+__all__ = ["KNOBS", "Knob", "knobs", "scope", "markdown_table", "env_of"]
 
 
 def _parse_bool(raw: str) -> bool:
@@ -74,6 +74,11 @@ KNOBS: tuple[Knob, ...] = (
          "The CUDA kernel of `graphctl::paged_attention` (the HF engine's attention): `auto` (the Triton kernel "
          "where Triton imports, else the pure-PyTorch reference), `triton` (an error without Triton) or "
          "`reference` (gather the pages, attend under a mask). Other devices always run the reference."),
+    Knob("sampling", "GRAPHCTL_SAMPLING", _parse_choice("auto", "triton", "reference"), "auto", "runtime",
+         "The CUDA kernel of sampling's filtering (temperature and top-p to probabilities, host settings, top-k "
+         "off, vocabularies up to 32,768): `auto` (one Triton program a row where Triton imports, else the "
+         "PyTorch reference), `triton` (an error without Triton) or `reference` (sort and scan in PyTorch). "
+         "Other devices and other settings always run the reference."),
     Knob("no_extension", "GRAPHCTL_NO_EXTENSION", _parse_bool, False, "runtime",
          "Do not load `graphctl._C`; every op runs its pure-PyTorch reference. `graphctl info` "
          "reports the reason."),
@@ -172,6 +177,14 @@ def scope(**overrides: Any) -> Iterator[None]:
         yield
     finally:
         values.update(saved)
+
+
+def env_of(attr: str) -> str:
+    """The environment variable of the knob named ``attr``."""
+    for k in KNOBS:
+        if k.attr == attr:
+            return k.env
+    raise AttributeError(f"no graphctl knob named {attr!r}")
 
 
 def markdown_table() -> str:

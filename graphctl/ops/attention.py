@@ -24,17 +24,11 @@ lengths and tables the step wrote.
 """
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 import torch
 
-from graphctl.knobs import knobs
+from graphctl.ops.triton_pick import TritonPick
 
 __all__ = ["paged_attention", "reference", "kernel_for"]
-
-log = logging.getLogger("graphctl")
-
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
            req_idx: torch.Tensor, positions: torch.Tensor) -> tuple[int, int, int]:
@@ -106,44 +100,17 @@ def cuda_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     it on its first launch leaves the reference for good (said once in the log)."""
     _check(q, k_cache, v_cache, block_table, req_idx, positions)
     kernel = kernel_for(q)
-    if kernel is reference or _TRITON.get("ran"):
-        return kernel(q, k_cache, v_cache, block_table, req_idx, positions, scale)
-    try:  # the first launch compiles the kernel for this GPU
-        out = kernel(q, k_cache, v_cache, block_table, req_idx, positions, scale)
-    except Exception as exc:
-        if knobs.paged_attention == "triton" or not type(exc).__module__.startswith("triton"):
-            raise
-        # auto: a Triton that cannot build the kernel here leaves the reference, said once
-        _TRITON.pop("kernel", None)
-        _TRITON["why"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        log.warning("graphctl: the Triton paged-attention kernel does not build here (%s); using the reference "
-                    "(GRAPHCTL_PAGED_ATTENTION=reference says so explicitly)", _TRITON["why"])
+    if kernel is reference:
         return reference(q, k_cache, v_cache, block_table, req_idx, positions, scale)
-    _TRITON["ran"] = True
-    return out
+    return PICK.run(kernel, reference, q, k_cache, v_cache, block_table, req_idx, positions, scale)
 
 
-# "kernel" -> the Triton launcher, or "why" -> the reason there is none; "ran" once it launched
-_TRITON: dict[str, Any] = {}
+# GRAPHCTL_PAGED_ATTENTION's choice (ops/triton_pick.py)
+PICK = TritonPick("paged_attention", "graphctl.ops.attention_triton", "paged_attention")
 
 
 def kernel_for(q: torch.Tensor):  # noqa: ANN201 - one of two callables of the op's signature
     """The implementation ``GRAPHCTL_PAGED_ATTENTION`` picks for ``q``'s device: ``auto`` and
     ``triton`` use the Triton kernel where Triton imports (``triton`` raises where it does not),
     ``reference`` the pure-PyTorch one."""
-    choice = knobs.paged_attention
-    if choice == "reference" or q.device.type != "cuda":
-        return reference
-    if "kernel" not in _TRITON and "why" not in _TRITON:
-        try:
-            from graphctl.ops import attention_triton
-        except ImportError as exc:  # CPU-only wheels ship no Triton
-            _TRITON["why"] = f"{type(exc).__name__}: {exc}"
-        else:
-            _TRITON["kernel"] = attention_triton.paged_attention
-    if "kernel" in _TRITON:
-        return _TRITON["kernel"]
-    if choice == "triton":
-        raise RuntimeError(f"GRAPHCTL_PAGED_ATTENTION=triton, but Triton cannot be imported ({_TRITON['why']}); "
-                           "install torch's CUDA wheels (they ship Triton) or set it to auto or reference")
-    return reference
+    return PICK.kernel(q.device) or reference

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from graphctl.ops.triton_pick import TritonPick
+
 __all__ = ["probs_from_logits", "sample", "noise", "race", "speculative_accept"]
 
 _Setting = float | int | torch.Tensor
@@ -53,6 +55,12 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
     rows, vocab = logits.shape
     if not isinstance(temperature, torch.Tensor) and temperature <= 0:  # greedy: nothing else matters
         return _onehot(logits)
+    if not isinstance(temperature, torch.Tensor) and not isinstance(top_p, torch.Tensor) and \
+            not isinstance(top_k, torch.Tensor) and (not top_k or top_k >= vocab):
+        kernel = PICK.kernel(logits.device)  # CUDA: one Triton program a row (GRAPHCTL_SAMPLING)
+        fast = None if kernel is None else PICK.run(kernel, _not_filtered, logits, float(temperature), float(top_p))
+        if fast is not None:
+            return fast
     x = logits.float()
     x = x / _scale(temperature, rows, x)
     xs = None  # the scaled logits sorted descending, where top-k sorted them already
@@ -82,6 +90,15 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
     if isinstance(temperature, torch.Tensor):
         p = torch.where(_column(temperature, rows, x) <= 0, _onehot(logits), p)
     return p
+
+
+# GRAPHCTL_SAMPLING's choice (ops/triton_pick.py): the kernel of probs_from_logits' host-settings case
+PICK = TritonPick("sampling", "graphctl.ops.sampling_triton", "probs")
+
+
+def _not_filtered(logits: torch.Tensor, temperature: float, top_p: float) -> None:
+    """The Triton kernel's stand-in where it cannot build: None, so the PyTorch code runs."""
+    return None
 
 
 def _scale(temperature: _Setting, rows: int, like: torch.Tensor) -> torch.Tensor | float:

@@ -168,8 +168,8 @@ def test_a_triton_that_cannot_build_the_kernel_falls_back_once_under_auto_and_ra
         raise CompilationError("at 12:8: unsupported")
 
     case = _case(gen, torch.float32, H=4, KVH=2, D=8, BS=4, B=3, R=3, q_per_row=2)
-    monkeypatch.setattr(attention, "_TRITON", {"kernel": broken})
-    monkeypatch.setattr(attention, "kernel_for", lambda q: attention._TRITON.get("kernel", attention.reference))
+    monkeypatch.setattr(attention.PICK, "state", {"kernel": broken})
+    monkeypatch.setattr(attention, "kernel_for", lambda q: attention.PICK.state.get("kernel", attention.reference))
     with knobs.scope(paged_attention="triton"), pytest.raises(CompilationError):
         attention.cuda_kernel(*case)
     with caplog.at_level(logging.WARNING, logger="graphctl"):
@@ -178,4 +178,4 @@ def test_a_triton_that_cannot_build_the_kernel_falls_back_once_under_auto_and_ra
     torch.testing.assert_close(got, reference(*case))
     torch.testing.assert_close(again, reference(*case))
     assert sum("does not build here" in r.getMessage() for r in caplog.records) == 1
-    assert "CompilationError" in attention._TRITON["why"] and "kernel" not in attention._TRITON
+    assert "CompilationError" in attention.PICK.state["why"] and "kernel" not in attention.PICK.state
