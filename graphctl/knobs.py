@@ -74,11 +74,12 @@ KNOBS: tuple[Knob, ...] = (
          "The CUDA kernel of `graphctl::paged_attention` (the HF engine's attention): `auto` (the Triton kernel "
          "where Triton imports, else the pure-PyTorch reference), `triton` (an error without Triton) or "
          "`reference` (gather the pages, attend under a mask). Other devices always run the reference."),
-    Knob("sampling", "GRAPHCTL_SAMPLING", _parse_choice("auto", "triton", "reference"), "auto", "runtime",
+    Knob("sampling", "GRAPHCTL_SAMPLING", _parse_choice("auto", "triton", "reference"), "reference", "runtime",
          "The CUDA kernel of sampling's filtering (temperature and top-p to probabilities, host settings, top-k "
-         "off, vocabularies up to 32,768): `auto` (one Triton program a row where Triton imports, else the "
-         "PyTorch reference), `triton` (an error without Triton) or `reference` (sort and scan in PyTorch). "
-         "Other devices and other settings always run the reference."),
+         "off, vocabularies up to 32,768): `reference` (sort and scan in PyTorch), `auto` (one Triton program a "
+         "row where Triton imports, else the reference) or `triton` (an error without Triton). `reference` by "
+         "default until the kernel's CUDA tests have passed on a GPU (they pass in Triton's interpreter). Other "
+         "devices and other settings always run the reference."),
     Knob("no_extension", "GRAPHCTL_NO_EXTENSION", _parse_bool, False, "runtime",
          "Do not load `graphctl._C`; every op runs its pure-PyTorch reference. `graphctl info` "
          "reports the reason."),

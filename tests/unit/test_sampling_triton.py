@@ -79,8 +79,9 @@ def test_the_triton_filtering_equals_the_reference_on_cuda(gen, dtype):
     for rows, vocab in CASES:
         logits = _logits(gen, rows, vocab, dtype).cuda()
         for t, p in SETTINGS:
-            got = probs_from_logits(logits, t, 0, p)
-            assert sampling.PICK.state.get("kernel") is not None, "auto should pick Triton on CUDA"
+            with knobs.scope(sampling="triton"):
+                got = probs_from_logits(logits, t, 0, p)
+            assert sampling.PICK.state.get("kernel") is not None, "triton should pick the kernel on CUDA"
             with knobs.scope(sampling="reference"):
                 want = probs_from_logits(logits, t, 0, p)
             # tl.exp is not torch's exp to the last bit: a row whose running mass lands within rounding of top_p
@@ -93,10 +94,11 @@ def test_the_triton_filtering_equals_the_reference_on_cuda(gen, dtype):
 def test_the_triton_filtering_replays_in_a_cuda_graph_with_new_logits(gen):
     pytest.importorskip("triton")
     logits = _logits(gen, 8, 32000, torch.bfloat16).cuda()
-    probs_from_logits(logits, 0.8, 0, 0.9)  # Triton compiles on the first launch
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = probs_from_logits(logits, 0.8, 0, 0.9)
+    with knobs.scope(sampling="triton"):
+        probs_from_logits(logits, 0.8, 0, 0.9)  # Triton compiles on the first launch
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = probs_from_logits(logits, 0.8, 0, 0.9)
     logits.copy_(_logits(gen, 8, 32000, torch.bfloat16))  # fresh logits in place, then replay
     out.fill_(float("nan"))  # poison: the replay must write every element
     g.replay()
