@@ -32,7 +32,7 @@ import torch
 import graphctl.ops.attention as attention
 
 
-def _graph(fn, iters: int) -> torch.cuda.CUDAGraph:
+def graph_calls(fn, iters: int) -> torch.cuda.CUDAGraph:
     """``iters`` calls of ``fn`` captured as one CUDA graph (after one eager call: Triton compiles)."""
     fn()
     torch.cuda.synchronize()
@@ -45,7 +45,7 @@ def _graph(fn, iters: int) -> torch.cuda.CUDAGraph:
     return g
 
 
-def _time_ms(g: torch.cuda.CUDAGraph, iters: int) -> float:
+def replay_ms(g: torch.cuda.CUDAGraph, iters: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     g.replay()
@@ -64,11 +64,11 @@ def _sweep(args: tuple, want: torch.Tensor, iters: int, repeats: int) -> list[tu
         try:
             got = paged_attention(*args, launch=launch)
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-            g = _graph(lambda launch=launch: paged_attention(*args, launch=launch), iters)
+            g = graph_calls(lambda launch=launch: paged_attention(*args, launch=launch), iters)
         except Exception as exc:  # a configuration Triton cannot build here (registers, shared memory)
             print(f"  {launch}: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
             continue
-        rows.append((statistics.median(_time_ms(g, iters) for _ in range(repeats)), launch))
+        rows.append((statistics.median(replay_ms(g, iters) for _ in range(repeats)), launch))
         del g
     return sorted(rows, key=lambda r: r[0])
 
@@ -111,13 +111,13 @@ def main() -> int:
     kv_bytes = 2 * R * C * KVH * D * k.element_size()
     dense = torch.empty(kv_bytes // 2, dtype=torch.int16, device=dev)
     other = torch.empty_like(dense)
-    graphs = {"triton": _graph(lambda: triton_kernel(q, k, v, table, req, pos, scale), a.iters),
-              "reference": _graph(lambda: attention.reference(q, k, v, table, req, pos, scale), a.iters),
-              "floor": _graph(lambda: other.copy_(dense), a.iters)}
+    graphs = {"triton": graph_calls(lambda: triton_kernel(q, k, v, table, req, pos, scale), a.iters),
+              "reference": graph_calls(lambda: attention.reference(q, k, v, table, req, pos, scale), a.iters),
+              "floor": graph_calls(lambda: other.copy_(dense), a.iters)}
     runs: dict[str, list[float]] = {n: [] for n in graphs}
     for _ in range(a.repeats):  # interleaved: clock drift hits all three alike
         for n, g in graphs.items():
-            runs[n].append(_time_ms(g, a.iters) / (2 if n == "floor" else 1))
+            runs[n].append(replay_ms(g, a.iters) / (2 if n == "floor" else 1))
     med = {n: statistics.median(v) for n, v in runs.items()}
     ratio = med["triton"] / med["floor"]
     info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=R, context=C, q=a.q, heads=H,

@@ -30,6 +30,7 @@ from graphctl.ops.triton_pick import TritonPick
 
 __all__ = ["paged_attention", "reference", "kernel_for"]
 
+
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
            req_idx: torch.Tensor, positions: torch.Tensor) -> tuple[int, int, int]:
     """``(KVH, BS, C)`` of a well-formed call; ``ValueError`` naming what is not."""
