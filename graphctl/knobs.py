@@ -80,6 +80,11 @@ KNOBS: tuple[Knob, ...] = (
          "row where Triton imports, else the reference) or `triton` (an error without Triton). `reference` by "
          "default until the kernel's CUDA tests have passed on a GPU (they pass in Triton's interpreter). Other "
          "devices and other settings always run the reference."),
+    Knob("graphed_recompute", "GRAPHCTL_GRAPHED_RECOMPUTE", _parse_bool, True, "runtime",
+         "Replay a write's derived-buffer recompute from one CUDA graph, captured the second time the same chain "
+         "runs over the same tensors (`graphctl/state/chains.py`): one launch instead of one per op between "
+         "steps. Chains with a non-tensor input, on other devices or inside a capture always run op by op; `0` "
+         "runs every chain op by op."),
     Knob("no_extension", "GRAPHCTL_NO_EXTENSION", _parse_bool, False, "runtime",
          "Do not load `graphctl._C`; every op runs its pure-PyTorch reference. `graphctl info` "
          "reports the reason."),

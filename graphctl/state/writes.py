@@ -15,7 +15,7 @@ import torch
 from graphctl import ops
 from graphctl.errors import StaleBufferError, SwitchError, did_you_mean
 from graphctl.knobs import knobs
-from graphctl.state import paths
+from graphctl.state import chains, paths
 from graphctl.state.core import StateCore
 from graphctl.state.interrupts import deferred
 from graphctl.state.spec import BufferDecl, OpCall
@@ -146,8 +146,7 @@ def write_many(st: StateCore, values: Mapping[str, torch.Tensor]) -> None:
                                 target.narrow(ax, n - 1, 1) if n else None, ax)
             else:
                 target.copy_(value)
-        for dep in deps:
-            st._recompute(dep)
+        chains.recompute(st, deps)  # one replayed CUDA graph where sound (state/chains.py)
 
 
 def overlaps(value: torch.Tensor, target: torch.Tensor) -> bool:

@@ -59,7 +59,7 @@ def test_a_path_cap_that_bites_is_reported_with_its_count_and_drops_module_buffe
             super().__init__()
             for i in range(3):
                 self.register_buffer(f"buf{i}", torch.rand(4))
-            self.meta = [torch.rand(4) for _ in range(3)]
+            self.meta = [torch.rand(4, device=device) for _ in range(3)]  # a plain list: .to() leaves it
 
         def forward(self, x):
             return x + self.buf0 + self.buf1 + self.buf2 + self.meta[0] + self.meta[1] + self.meta[2]

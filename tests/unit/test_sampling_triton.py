@@ -15,6 +15,11 @@ from graphctl import knobs
 from graphctl.ops import sampling
 from graphctl.ops.sampling import probs_from_logits
 
+try:  # CPU-only torch wheels ship no Triton: the tests that need it skip
+    from graphctl.ops.sampling_triton import MAX_RESIDENT, Plan, probs
+except ImportError:
+    MAX_RESIDENT, Plan, probs = 32768, None, None  # type: ignore[assignment,misc]
+
 CASES = [(1, 7), (3, 33), (5, 1000), (2, 4099), (4, 32000)]  # rows, vocab: odd sizes and llama-1b's
 SETTINGS = [(1.0, 1.0), (0.8, 0.9), (1.7, 0.5), (0.5, 0.01), (2.0, 0.999)]  # temperature, top-p
 
@@ -28,19 +33,24 @@ def _logits(gen, rows, vocab, dtype):
 _CHECK = r"""
 import sys, torch
 from graphctl.ops.sampling import probs_from_logits
-from graphctl.ops.sampling_triton import probs
+from graphctl.ops.sampling_triton import DEFAULT, Plan, probs
 sys.path.insert(0, sys.argv[1])
 from unit.test_sampling_triton import CASES, SETTINGS, _logits
 gen = torch.Generator().manual_seed(int(sys.argv[2]))
-for dtype in (torch.float32, torch.float16, torch.bfloat16):
+# the default plan in every dtype; a binary search in small chunks and the register-resident kernel in bf16
+runs = [(DEFAULT, d) for d in (torch.float32, torch.float16, torch.bfloat16)] + \
+    [(Plan(block=64, warps=4, ways=1), torch.bfloat16), (Plan(streamed=False, warps=0), torch.bfloat16)]
+for plan, dtype in runs:
     for rows, vocab in CASES[:4]:
         logits = _logits(gen, rows, vocab, dtype)
         for t, p in SETTINGS:
-            got, want = probs(logits, t, p), probs_from_logits(logits, t, 0, p)  # CPU tensors: the reference
-            assert torch.equal(got > 0, want > 0), (dtype, rows, vocab, t, p)
+            got, want = probs(logits, t, p, plan), probs_from_logits(logits, t, 0, p)  # CPU tensors: the reference
+            assert torch.equal(got > 0, want > 0), (plan, dtype, rows, vocab, t, p)
             err = (got - want).abs().max().item()
-            assert err <= 2e-6, (dtype, rows, vocab, t, p, err)
-assert probs(torch.randn(1, 40000), 1.0, 0.9) is None  # a row that does not fit: the PyTorch code runs
+            assert err <= 2e-6, (plan, dtype, rows, vocab, t, p, err)
+big = _logits(gen, 1, 40000, torch.bfloat16)  # over the resident kernel's registers: streamed only
+assert probs(big, 1.0, 0.9, Plan(streamed=False)) is None
+assert torch.equal(probs(big, 1.0, 0.9) > 0, probs_from_logits(big, 1.0, 0, 0.9) > 0)
 print("ok")
 """
 
@@ -87,6 +97,26 @@ def test_the_triton_filtering_equals_the_reference_on_cuda(gen, dtype):
             # tl.exp is not torch's exp to the last bit: a row whose running mass lands within rounding of top_p
             # may keep a token more or less; random rows (and the tie at the top) are far from that
             assert torch.equal(got > 0, want > 0), (dtype, rows, vocab, t, p)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("how", [{}, dict(block=1024, warps=4, ways=1), dict(block=4096, warps=16, ways=16),
+                                 dict(streamed=False, warps=0)], ids=str)
+def test_every_plan_equals_the_reference_on_cuda_llama3_vocabulary_included(gen, how):
+    # Regression: issue 34, the kernel only covered vocabularies up to 32,768 (llama-3's 128,256 ran the sort).
+    pytest.importorskip("triton")
+    plan = Plan(**how)
+    for rows, vocab in CASES + [(3, 128256)]:
+        logits = _logits(gen, rows, vocab, torch.bfloat16).cuda()
+        for t, p in SETTINGS:
+            got = probs(logits, t, p, plan)
+            if got is None:
+                assert not plan.streamed and vocab > MAX_RESIDENT
+                continue
+            with knobs.scope(sampling="reference"):
+                want = probs_from_logits(logits, t, 0, p)
+            assert torch.equal(got > 0, want > 0), (plan, rows, vocab, t, p)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
