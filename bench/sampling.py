@@ -15,7 +15,6 @@ engine replays it) and timed between CUDA events, median of ``--repeats``:
              ``sampled_ref`` with the reference filtering).
 
     python bench/sampling.py [--sizes 1 8 32] [--k 3] [--vocab 128256] [--device cpu] [--json out.json]
-    python bench/sampling.py --sweep [--vocab 32000]   # the Triton kernel's plans, alone, fastest first
 """
 from __future__ import annotations
 
@@ -50,41 +49,6 @@ def _timer(fn, iters: int, cuda: bool):
     return host
 
 
-def _sweep(a: argparse.Namespace, dev: torch.device, cuda: bool) -> int:
-    """Each plan of the Triton filtering on ``bs * (k + 1)`` bf16 rows (temperature 0.8, top-p 0.9),
-    median ms of a CUDA graph's calls, against the reference (PyTorch) filtering in the same run."""
-    from graphctl.ops.sampling_triton import Plan, probs
-
-    if not cuda:
-        print("--sweep needs CUDA", file=sys.stderr)
-        return 2
-    plans = [Plan(streamed=False, warps=w) for w in (8, 16, 32)] * (a.vocab <= 32768) + [
-        Plan(block=b, warps=w, ways=n) for b in (1024, 2048, 4096) for w in (4, 8, 16) for n in (1, 4, 8, 16)]
-    rows_out = []
-    for bs in a.sizes:
-        logits = torch.randn(bs * (a.k + 1), a.vocab, device=dev).mul_(3).to(torch.bfloat16)
-        with knobs.scope(sampling="reference"):
-            want = probs_from_logits(logits, 0.8, 0, 0.9)
-            timers = {"reference": _timer(lambda: probs_from_logits(logits, 0.8, 0, 0.9), a.iters, cuda)}
-        for plan in plans:
-            got = probs(logits, 0.8, 0.9, plan)
-            assert got is not None and torch.equal(got > 0, want > 0), plan
-            timers[f"{'s' if plan.streamed else 'r'}{plan.block}w{plan.warps}x{plan.ways}"] = \
-                _timer(lambda plan=plan: probs(logits, 0.8, 0.9, plan), a.iters, cuda)
-        runs: dict[str, list[float]] = {n: [] for n in timers}
-        for _ in range(a.repeats):
-            for n, t in timers.items():
-                runs[n].append(t())
-        med = sorted(((statistics.median(v), n) for n, v in runs.items()))
-        row = dict(bs=bs, rows=logits.shape[0], vocab=a.vocab, ms={n: round(v, 4) for v, n in med})
-        rows_out.append(row)
-        print(json.dumps(row))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, sweep=rows_out), f, indent=1)
-    return 0
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 32])
@@ -93,8 +57,6 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--sweep", action="store_true",
-                    help="time the Triton filtering alone on the target rows under every plan (ops/sampling_triton.Plan)")
     ap.add_argument("--json")
     a = ap.parse_args()
     cuda = a.device == "cuda"
@@ -104,8 +66,6 @@ def main() -> int:
     dev, k, V = torch.device(a.device), a.k, a.vocab
     # on CUDA the default generator: torch.cuda.graph registers it with each capture
     gen = torch.Generator(device=dev).manual_seed(0) if not cuda else None
-    if a.sweep:
-        return _sweep(a, dev, cuda)
     rows_out = []
     for bs in a.sizes:
         tl = torch.randn(bs * (k + 1), V, device=dev).mul_(3).to(torch.bfloat16)  # target logits
@@ -145,7 +105,7 @@ def main() -> int:
         with knobs.scope(sampling="auto"):  # the choice is made at capture: the graph keeps it
             timers = {n: _timer(f, a.iters, cuda) for n, f in
                       (("greedy", greedy), ("probs", probs), ("sort", sort), ("accept", accept), ("sampled", sampled))}
-        with knobs.scope(sampling="reference"):  # the default
+        with knobs.scope(sampling="reference"):
             timers["probs_ref"] = _timer(probs, a.iters, cuda)
             timers["sampled_ref"] = _timer(sampled, a.iters, cuda)
         runs: dict[str, list[float]] = {n: [] for n in timers}

@@ -74,12 +74,11 @@ KNOBS: tuple[Knob, ...] = (
          "The CUDA kernel of `graphctl::paged_attention` (the HF engine's attention): `auto` (the Triton kernel "
          "where Triton imports, else the pure-PyTorch reference), `triton` (an error without Triton) or "
          "`reference` (gather the pages, attend under a mask). Other devices always run the reference."),
-    Knob("sampling", "GRAPHCTL_SAMPLING", _parse_choice("auto", "triton", "reference"), "reference", "runtime",
+    Knob("sampling", "GRAPHCTL_SAMPLING", _parse_choice("auto", "triton", "reference"), "auto", "runtime",
          "The CUDA kernel of sampling's filtering (temperature and top-p to probabilities, host settings, top-k "
-         "off, vocabularies up to 32,768): `reference` (sort and scan in PyTorch), `auto` (one Triton program a "
-         "row where Triton imports, else the reference) or `triton` (an error without Triton). `reference` by "
-         "default until the kernel's CUDA tests have passed on a GPU (they pass in Triton's interpreter). Other "
-         "devices and other settings always run the reference."),
+         "off, vocabularies up to 32,768): `auto` (one Triton program a row where Triton imports and builds, "
+         "else the reference), `triton` (an error without Triton) or `reference` (sort and scan in PyTorch). "
+         "Other devices, other settings and larger vocabularies always run the reference."),
     Knob("graphed_recompute", "GRAPHCTL_GRAPHED_RECOMPUTE", _parse_bool, True, "runtime",
          "Replay a write's derived-buffer recompute from one CUDA graph, captured the second time the same chain "
          "runs over the same tensors (`graphctl/state/chains.py`): one launch instead of one per op between "

@@ -11,7 +11,9 @@ Sound because a chain's graph is keyed by everything it bakes: the state's phase
 names in order, and every tensor it reads or writes by address, shape, strides and dtype. A chain
 with an input that is not a tensor (an object whose attributes a fn may read, which a graph would
 bake without seeing) always runs eagerly, as does every chain while a capture is recording (it is
-recorded into that graph as before), on other devices, and under ``GRAPHCTL_GRAPHED_RECOMPUTE=0``.
+recorded into that graph as before), under a dispatch mode (the emulated backend's recorder and the
+side-effect tracker must see each op; a replay is none), on other devices, and under
+``GRAPHCTL_GRAPHED_RECOMPUTE=0``.
 A fn that cannot be captured (it syncs with the host, say) is captured once, fails, and its chain
 runs eagerly from then on, said once in the log. Errors a fn raises eagerly it raises while being
 captured (same Python, same checks); a replay runs device code only.
@@ -69,6 +71,8 @@ def recompute(st: StateCore, deps: tuple[str, ...]) -> None:
 
 def _key(st: StateCore, deps: tuple[str, ...]) -> tuple | None:
     """What a chain's graph bakes, or None where the chain must run eagerly."""
+    if torch._C._len_torch_dispatch_stack():  # a recorder or tracker (a dispatch mode) must see every op
+        return None
     parts: list[Any] = [st._active.phase if st._active is not None else None, deps]
     device = None
     for dep in deps:
@@ -76,7 +80,7 @@ def _key(st: StateCore, deps: tuple[str, ...]) -> tuple | None:
         assert rc is not None
         for name in (dep, *rc.inputs):
             t = paths.get(st.obj, name)
-            if not isinstance(t, torch.Tensor) or t.device.type != "cuda" or (device is not None and t.device != device):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cuda" or device not in (None, t.device):
                 return None
             device = t.device
             parts.append((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype))

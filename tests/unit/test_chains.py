@@ -16,10 +16,6 @@ from support.mini import MiniMetadata, make_registry, make_spec, slots
 FAMILY_NAMES = sorted(FAMILIES)
 
 
-def _derived(state) -> list[str]:
-    return [n for n in state.plan.order]
-
-
 def _prepare(meta, state, gen, k: int, seqs: int) -> None:
     n = int(torch.randint(1, seqs + 1, (1,), generator=gen))
     meta.prepare(state, torch.randint(1, k + 2, (n,), generator=gen, dtype=torch.int32),
@@ -40,21 +36,24 @@ def test_on_the_cpu_every_chain_runs_op_by_op(gen):
 def test_replayed_chains_leave_the_maps_an_eager_recompute_leaves(gen, family):
     # Regression: issue 32, prepare's eager recompute (about forty launches) was most of the host gap per step.
     seqs, k = 5, 3
-    try:
-        meta, state = make_family(family, seqs=seqs, blocks=4, draft_len=k, seed=int(torch.randint(0, 99, (1,),
-                                                                                                  generator=gen)),
-                                  device="cuda")
+    seed = int(torch.randint(0, 99, (1,), generator=gen))
+    try:  # two identical states: one replays its chains, its twin recomputes op by op
+        meta, state = make_family(family, seqs=seqs, blocks=4, draft_len=k, seed=seed, device="cuda")
+        twin, twin_state = make_family(family, seqs=seqs, blocks=4, draft_len=k, seed=seed, device="cuda")
     except ValueError as exc:
         pytest.skip(str(exc))
-    derived = _derived(state)
-    for i in range(5):
-        for name in derived:  # poison: a replay that skipped a map cannot pass
-            t = getattr(meta, name)
-            t.fill_(-7 if not t.dtype.is_floating_point else float("nan"))
+    for i in range(6):  # a new batch size and new lengths each time: a replay that kept the last maps differs
+        g_state = gen.get_state()
         _prepare(meta, state, gen, k, seqs)
-        state.check()  # each derived buffer recomputed eagerly into scratch and compared with the live one
-    kinds = [type(g).__name__ for g in chains.graphs_of(state).values()]
-    assert kinds == ["CUDAGraph"], kinds
+        gen.set_state(g_state)
+        with knobs.scope(graphed_recompute=False):
+            _prepare(twin, twin_state, gen, k, seqs)
+        for name in state.plan.order:
+            assert torch.equal(getattr(meta, name), getattr(twin, name)), (i, name)
+        state.check()  # and each equals its own fn recomputed into scratch
+    kinds = {type(g).__name__ for g in chains.graphs_of(state).values()}
+    assert kinds == {"CUDAGraph"}, kinds
+    assert chains.graphs_of(twin_state) == {}
 
 
 @pytest.mark.cuda
@@ -95,3 +94,27 @@ def test_a_chain_that_syncs_with_the_host_falls_back_once_said(gen, caplog):
             state.check()
     assert list(chains.graphs_of(state).values()) == ["eager"]
     assert sum("cannot be captured" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.cuda
+def test_under_a_dispatch_mode_the_chain_runs_op_by_op(gen):
+    # Regression: issue 32, a replayed chain is no dispatcher op: the emulated recorder and the write tracker would
+    # not see the recompute at all (a recorded forward that writes lengths would replay without its maps).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    meta, state = make_family("paged", seqs=4, blocks=3, draft_len=2, seed=7, device="cuda")
+    for _ in range(3):
+        _prepare(meta, state, gen, 2, 4)  # captured and replayed by now
+    with Seen() as seen:
+        _prepare(meta, state, gen, 2, 4)
+    assert any("cumsum" in op for op in seen.ops), seen.ops  # cu_seq_lens recomputed where the mode saw it
+    state.check()

