@@ -14,14 +14,17 @@ process finds Inductor's and cuBLAS's caches warm, and the allocator's pools gro
 
 Reported per variant: wall seconds of the whole capture (device work waited for), the graph pool's
 memory (``torch.cuda.memory_reserved`` growth across the capture, the cost a server pays in KV
-cache), and for graphctl the per-bucket warmup and capture ms of ``report()``. Targets (issue 32):
-graphctl / hand <= 1.0 in time and in pool memory. Medians of ``--repeats`` process pairs.
+cache), the peak allocated during it (what must be free to capture at all) and what stays reserved
+once freed blocks are released, and for graphctl the per-bucket warmup and capture ms of
+``report()``. Targets (issue 32): graphctl / hand <= 1.0 in time and in pool memory. Medians of
+``--repeats`` process pairs.
 
     python bench/capture_cost.py [--target engine forward] [--buckets 1 2 4 8 16 32 64] [--repeats 5]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -29,6 +32,27 @@ import sys
 import time
 
 import torch
+
+
+def _memory_start() -> tuple[int, int]:
+    """Freed cache blocks released and the peak reset, so growth is the capture's own."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+
+
+def _memory_end(before: tuple[int, int]) -> dict[str, float]:
+    """``pool_mib``: reserved growth (what the allocator holds, freed blocks included); ``peak_mib``: the
+    most allocated at once during the capture over what was before; ``held_mib``: reserved growth once
+    the freed blocks are released (the graph pools and kept workspaces: what a server cannot have)."""
+    reserved, allocated = before
+    out = dict(pool_mib=(torch.cuda.memory_reserved() - reserved) / 2**20,
+               peak_mib=(torch.cuda.max_memory_allocated() - allocated) / 2**20)
+    gc.collect()
+    torch.cuda.empty_cache()
+    out["held_mib"] = (torch.cuda.memory_reserved() - reserved) / 2**20
+    return out
 
 
 def _engine_capture(variant: str, buckets: list[int]) -> dict:
@@ -44,7 +68,7 @@ def _engine_capture(variant: str, buckets: list[int]) -> dict:
     eng.meta.prepare(eng.state, torch.full((n,), k + 1, dtype=torch.int32), torch.full((n,), 64, dtype=torch.int32))
     ids = torch.randint(0, 32000, (n * (k + 1),), generator=g).cuda()
     torch.cuda.synchronize()
-    before = torch.cuda.memory_reserved()
+    before = _memory_start()
     t0 = time.perf_counter()
     out: dict = {}
     if variant == "graphctl":
@@ -70,7 +94,7 @@ def _engine_capture(variant: str, buckets: list[int]) -> dict:
                 eng.step(view, eng.meta)
             graphs.append(graph)
         torch.cuda.synchronize()
-    out.update(seconds=time.perf_counter() - t0, pool_mib=(torch.cuda.memory_reserved() - before) / 2**20)
+    out.update(seconds=time.perf_counter() - t0, **_memory_end(before))
     return out
 
 
@@ -99,7 +123,7 @@ def _forward_capture(variant: str, buckets: list[int]) -> dict:
     call(torch.randint(0, 32000, (n, 16), generator=torch.Generator().manual_seed(1)).cuda())  # prefill
     tok = torch.randint(0, 32000, (n, 1), generator=torch.Generator().manual_seed(2)).cuda()
     torch.cuda.synchronize()
-    before = torch.cuda.memory_reserved()
+    before = _memory_start()
     t0 = time.perf_counter()
     out: dict = {}
     if variant == "graphctl":
@@ -125,7 +149,7 @@ def _forward_capture(variant: str, buckets: list[int]) -> dict:
             for t, v in zip(state, saved):
                 t.copy_(v)
         torch.cuda.synchronize()
-    out.update(seconds=time.perf_counter() - t0, pool_mib=(torch.cuda.memory_reserved() - before) / 2**20)
+    out.update(seconds=time.perf_counter() - t0, **_memory_end(before))
     return out
 
 
@@ -160,14 +184,21 @@ def main() -> int:
                     print(f"{target}/{variant} failed:\n{res.stderr[-3000:]}", file=sys.stderr)
                     return 1
                 runs[variant].append(json.loads(line[len("RESULT "):]))
-        med = {v: {m: statistics.median(r[m] for r in rs) for m in ("seconds", "pool_mib")} for v, rs in runs.items()}
+        med = {v: {m: statistics.median(r[m] for r in rs) for m in ("seconds", "pool_mib", "peak_mib", "held_mib")}
+               for v, rs in runs.items()}
         results[target] = dict(runs=runs, median=med, time_ratio=med["graphctl"]["seconds"] / med["hand"]["seconds"],
-                               pool_ratio=med["graphctl"]["pool_mib"] / med["hand"]["pool_mib"])
+                               pool_ratio=med["graphctl"]["pool_mib"] / med["hand"]["pool_mib"],
+                               peak_ratio=med["graphctl"]["peak_mib"] / med["hand"]["peak_mib"],
+                               held_ratio=med["graphctl"]["held_mib"] / max(med["hand"]["held_mib"], 1e-9))
         r = results[target]
         print(f"{target}: buckets {a.buckets}, median of {a.repeats} fresh-process pairs")
         print(f"  graphctl {med['graphctl']['seconds']:.2f} s, pool {med['graphctl']['pool_mib']:.0f} MiB; "
               f"hand {med['hand']['seconds']:.2f} s, pool {med['hand']['pool_mib']:.0f} MiB")
-        print(f"  graphctl / hand: time {r['time_ratio']:.2f}x, pool {r['pool_ratio']:.2f}x (targets <= 1.0: "
+        print(f"  peak allocated during the capture: graphctl {med['graphctl']['peak_mib']:.0f} MiB, hand "
+              f"{med['hand']['peak_mib']:.0f} MiB; held after it (freed blocks released): graphctl "
+              f"{med['graphctl']['held_mib']:.0f} MiB, hand {med['hand']['held_mib']:.0f} MiB")
+        print(f"  graphctl / hand: time {r['time_ratio']:.2f}x, pool {r['pool_ratio']:.2f}x, "
+              f"peak {r['peak_ratio']:.2f}x, held {r['held_ratio']:.2f}x (targets <= 1.0: "
               f"{'MET' if r['time_ratio'] <= 1 and r['pool_ratio'] <= 1 else 'MISSED'})")
         last = runs["graphctl"][-1]["buckets"]
         print("  graphctl per bucket (last run): " + ", ".join(

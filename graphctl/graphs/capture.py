@@ -36,6 +36,11 @@ from graphctl.state.snapshot import Snapshot
 __all__ = ["Capture"]
 
 
+def _guarded(st: BoundState) -> list[str]:
+    """The mutable buffers and what derives from them, Persistent ones aside."""
+    return [n for n in BoundState.mutable_names(st) if not st.plan.buffers[n].persistent]
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class Capture:
     """What the example call fixed and the passes produced, from ``capture_all`` to ``reset()``."""
@@ -89,7 +94,8 @@ class Capture:
                                        fix=f"capture buckets up to {rows // pads[d.axis]}, or size the state "
                                            f"(e.g. max_seqs) for {largest} items")
         cap = cls(sig, state, inputs, slots, tuple(sig.position[si.name] for si in inputs), pads,
-                  select_backend(opts.backend, slots[0].device), Snapshot.of(state, BoundState.mutable_names),
+                  # Persistent buffers are the passes' to guard: by rows where they can (graphs/journal.py)
+                  select_backend(opts.backend, slots[0].device), Snapshot.of(state, _guarded),
                   # the replay-time refreshes of draft twins; a spec without any needs no switch around replay
                   state is not None and bool(state.snapshot_names("refresh")),
                   # Non-input arguments are baked into the graph: keep each object and a structural copy of

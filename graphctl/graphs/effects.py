@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import CaptureError
 from graphctl.graphs.frames import user_frame
+from graphctl.graphs.journal import Journal, storage_bytes
 from graphctl.graphs.randomness import RandomUse, random_use
 from graphctl.graphs.reach import storage_key
 from graphctl.state.interrupts import drop_mode
@@ -50,11 +51,6 @@ class SideEffect:
 
     def __str__(self) -> str:
         return f"{self.path} ({self.nbytes:,} B): {self.op} at {self.where}"
-
-
-def storage_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of the whole storage under ``t``."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of the arguments it writes
@@ -141,8 +137,11 @@ class WriteTracker(TorchDispatchMode):
 
     def __init__(self, watched: dict[tuple[str, int], tuple[str, torch.Tensor]], exclude: set[tuple[str, int]],
                  padded: dict[tuple[str, int], str] | None = None, lean: bool = False,
-                 declared: list[torch.Generator] | None = None) -> None:
+                 declared: list[torch.Generator] | None = None,
+                 journaled: dict[tuple[str, int], torch.Tensor] | None = None) -> None:
         super().__init__()
+        # declared lasting state (Persistent buffers) undone by the rows written (graphs/journal.py)
+        self.journal = Journal(journaled) if journaled else None
         self.declared = declared  # the declared generators (None: random ops are not looked at)
         # key -> (what drew, the generator or None for a default one, its state before the first draw)
         self.random: dict[Any, tuple[RandomUse, torch.Generator | None, torch.Tensor | None]] = {}
@@ -165,10 +164,12 @@ class WriteTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.lean:
-            if self.watched:
+            if self.watched or self.journal is not None:
                 for t in _written(func, args, kwargs):
                     key = storage_key(t)
-                    if key in self.watched and key not in self.found:
+                    if self.journal is not None and key in self.journal.storages:
+                        self.journal.record(func, args, kwargs, t, key)
+                    elif key in self.watched and key not in self.found:
                         self._save(key, self.watched[key][0], self.watched[key][1], func)
             return func(*args, **kwargs)
         name = func._schema.name
@@ -192,6 +193,9 @@ class WriteTracker(TorchDispatchMode):
                 self.before[key] = t
         for t in _written(func, args, kwargs):
             key = storage_key(t)
+            if self.journal is not None and key in self.journal.storages:
+                self.journal.record(func, args, kwargs, t, key)
+                continue
             hit = self.watched.get(key)
             if hit is None and (key not in self.external or key in self.exclude):
                 continue  # a temporary of this run, or graphctl's own
@@ -236,6 +240,8 @@ class WriteTracker(TorchDispatchMode):
         with torch.no_grad():
             for live, before in self.saved.values():
                 live.copy_(before)
+        if self.journal is not None:
+            self.journal.undo()
 
     @property
     def effects(self) -> tuple[SideEffect, ...]:
@@ -296,13 +302,13 @@ class Ledger:
         return out
 
     def track(self, run: Callable[[], Any], watched: dict, owned: set, sync: Callable[[], None],
-              padded: dict[tuple[str, int], str] | None = None,
-              lean: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+              padded: dict[tuple[str, int], str] | None = None, lean: bool = False,
+              journaled: dict[tuple[str, int], torch.Tensor] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Run ``run`` (one eager warmup) under a :class:`WriteTracker`, undo what it wrote
         (whatever happened), apply the policy to what is new, and hand back ``(live, copy)``
         pairs of the new tensors to snapshot: the tracker's copies, so nothing is cloned twice."""
         tracker = WriteTracker(self.later(watched) if lean else watched, owned | set(self.found), padded, lean,
-                               self.declared + [g for g, _ in self.generators])
+                               self.declared + [g for g, _ in self.generators], journaled)
         try:
             with tracker:
                 run()

@@ -101,11 +101,13 @@ def capture_buckets(fn: Callable[..., Any], cap: Capture, opts: Options, argumen
     cap.compile, cap.sites, cap.reach = stats, paths_of_sites, counts
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class _Passes:
     fn: Callable[..., Any]
     cap: Capture
     opts: Options
+    # whole copies of the Persistent buffers around each run, where rows cannot undo them (see _passes)
+    lasting: Snapshot | None = None
 
 
 def _model_tensors(params: Any) -> list[torch.Tensor]:
@@ -153,7 +155,18 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
     runs = max(p.opts.warmup_iters, 2) if sites or compiled.is_compiled(p.fn) else p.opts.warmup_iters
     order = sorted(p.opts.buckets.sizes, reverse=True)
     graphs: dict[int, BucketGraph] = {}
-    with Snapshot.of(p.cap.state, BoundState.restorable_names) as given, gc_held(), _progress(p.opts.progress) as bar:
+    # Persistent buffers (KV-cache pools) are undone by the rows each tracked warmup wrote (graphs/journal.py),
+    # not copied whole, where every warmup is tracked; a capture that executes gets a whole copy after all
+    # Persistent buffers (KV-cache pools): where every warmup is tracked (an eager forward) each one's writes are
+    # undone by the rows they touched (graphs/journal.py), and a capture that executes gets a whole copy; a
+    # compiled forward's untracked runs get whole copies around every run, as mutable buffers do (cap.guard)
+    lasting = _lasting(p)
+    journaled = {} if sites or compiled.is_compiled(p.fn) else {storage_key(t): t for t in lasting.values()}
+    if lasting and not journaled:
+        p.lasting = Snapshot(list(lasting.values()))
+    met = pieces.calls()
+    with Snapshot.of(p.cap.state, lambda st: [n for n in BoundState.restorable_names(st) if n not in lasting]) \
+            as given, gc_held(), _progress(p.opts.progress) as bar:
         task = bar.add_task("warmup", total=2 * len(order)) if bar else None
         be.synchronize()
         before = be.live_blocks()
@@ -166,13 +179,13 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
             untracked = None  # a compiled forward's compiled runs: no tracker can watch them (compiled.py)
             for it in range(runs):
                 try:
-                    with p.cap.guard:
+                    with p.cap.guard, p.lasting or contextlib.nullcontext():
                         if it == 0 or not (sites or compiled.is_compiled(p.fn)):
                             # in full (writes, reads, padding taint): the forward's first run, and the first
                             # of each bucket with padded rows (only they can index a write with a pad);
                             # every other eager run for its writes (lean): a write may start on any run
                             full = it == 0 and (b == order[0] or b > p.cap.n)
-                            given.adopt(_tracked_warmup(p, call, watched, lean=not full))
+                            given.adopt(_tracked_warmup(p, call, watched, lean=not full, journaled=journaled))
                             given.adopt_generators(p.cap.ledger.generators)  # undeclared streams: restored too
                             p.cap.guard.adopt_generators(p.cap.ledger.generators)
                         else:
@@ -210,6 +223,8 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
         pool = shared.handle if shared is not None and shared.handle is not None else be.new_pool()
         if shared is not None:
             shared.handle = pool
+        if journaled and (be.capture_executes or pieces.calls() != met):  # the capture runs the forward's writes
+            p.lasting = Snapshot(list(lasting.values()))
         t_start = time.perf_counter()
         for b in order:  # pass 2: largest first, so smaller graphs reuse its pool blocks
             given.restore()
@@ -225,9 +240,17 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
     return graphs, workspaces
 
 
-def _tracked_warmup(p: _Passes, call: tuple[tuple, dict], watched: dict, lean: bool) -> list:
+def _lasting(p: _Passes) -> dict[str, torch.Tensor]:
+    """The declared Persistent buffers by name: what a journal undoes by rows."""
+    st = p.cap.state
+    return {} if st is None else {n: st.tensor(n) for n, d in st.plan.buffers.items() if d.persistent}
+
+
+def _tracked_warmup(p: _Passes, call: tuple[tuple, dict], watched: dict, lean: bool,
+                    journaled: dict[tuple[str, int], torch.Tensor]) -> list:
     """An eager run under the write tracker: what it writes to tensors that existed before it
-    and graphctl does not own is a side effect. Returns the new ``(live, copy)`` pairs."""
+    and graphctl does not own is a side effect (returned as new ``(live, copy)`` pairs); what it
+    writes into ``journaled`` storages is undone by rows after it."""
     owned = _owned(p)
     be = p.cap.backend
     # integer inputs whose padded rows hold valid indices (anything but a negative sentinel)
@@ -246,7 +269,7 @@ def _tracked_warmup(p: _Passes, call: tuple[tuple, dict], watched: dict, lean: b
             if stance is not None:
                 stance.__exit__(None, None, None)
 
-    pairs = p.cap.ledger.track(run, watched, owned, be.synchronize, None if lean else padded, lean)
+    pairs = p.cap.ledger.track(run, watched, owned, be.synchronize, None if lean else padded, lean, journaled)
     for h in list(p.cap.ledger.hazards.values())[known:]:
         log.warning("graphctl: %s: %s", getattr(p.fn, "__qualname__", p.fn), h)
     if pairs:
@@ -274,7 +297,7 @@ def _capture_one(p: _Passes, bucket: int, call: tuple[tuple, dict], pool: Any,
     t0 = time.perf_counter()
     # the generators a CUDA capture must register: declared ones, and undeclared ones the warmups drew from
     gens = [*declared_generators(p.cap.state).values(), *(g for g, _ in p.cap.ledger.generators)]
-    with p.cap.guard:
+    with p.cap.guard, p.lasting or contextlib.nullcontext():
         graph, out = be.capture(body, pool, bucket, sites, gens)
     ms = (time.perf_counter() - t0) * 1e3
     return BucketGraph(graph, out, bucket, p.cap.manifest(), segments_from_marks(marks, graph.node_count), ms,

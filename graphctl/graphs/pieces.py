@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import ReplayError
 
-__all__ = ["eager", "is_eager", "EagerRegion", "regions", "boundary_check", "run_region", "saved", "restore"]
+__all__ = ["eager", "is_eager", "calls", "EagerRegion", "regions", "boundary_check", "run_region", "saved", "restore"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _tls = threading.local()  # .region: the running capture's handler; .check: the runner's boundary check
@@ -58,6 +58,7 @@ def eager(fn: F | None = None, /, *, in_switch: bool = False) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             handler = getattr(_tls, "region", None)
             if handler is None:
+                _tls.calls = getattr(_tls, "calls", 0) + 1  # a warmup met a region (calls())
                 return f(*args, **kwargs)
             check = getattr(_tls, "check", None)
             if check is not None and not in_switch:
@@ -68,6 +69,12 @@ def eager(fn: F | None = None, /, *, in_switch: bool = False) -> Any:
         return call  # type: ignore[return-value]
 
     return wrap if fn is None else wrap(fn)
+
+
+def calls() -> int:
+    """How many plain (uncaptured) region calls this thread has made: a runner compares the count
+    across its warmups to learn whether its capture will run regions (and so replay pieces)."""
+    return getattr(_tls, "calls", 0)
 
 
 def is_eager(fn: Any) -> bool:

@@ -160,9 +160,9 @@ def test_the_full_tracker_runs_once_per_forward_unless_buckets_hold_padding(back
     full = []
     real = effects.WriteTracker.__init__
 
-    def init(self, watched, exclude, padded=None, lean=False, declared=None):
+    def init(self, watched, exclude, padded=None, lean=False, declared=None, journaled=None):
         full.append(not lean)
-        real(self, watched, exclude, padded, lean, declared)
+        real(self, watched, exclude, padded, lean, declared, journaled)
 
     monkeypatch.setattr(effects.WriteTracker, "__init__", init)
     eng = _Engine(device, 3)

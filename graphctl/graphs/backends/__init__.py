@@ -53,6 +53,7 @@ class GraphBackend(Protocol):
 
     name: str
     device: torch.device
+    capture_executes: bool  # whether a capture runs the forward's ops (and so changes the state it writes)
 
     def warmup(self, body: Callable[[], Any]) -> Any: ...
     def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int,

@@ -222,6 +222,7 @@ class CudaBackend:
     ``synchronize()``. Graphs have ``replay()``, ``node_count`` and ``pool_bytes``."""
 
     name = "cuda"
+    capture_executes = False  # a capture only records (eager regions aside: graphs/pieces.py)
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)

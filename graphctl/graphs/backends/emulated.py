@@ -367,6 +367,7 @@ class EmulatedBackend:
     interface both backends share."""
 
     name = "emulated"
+    capture_executes = True  # the recorder runs every op it records: a capture changes state
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

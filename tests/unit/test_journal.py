@@ -1,0 +1,132 @@
+"""Warmups undone on declared lasting state by the rows they wrote (``graphctl/graphs/journal.py``,
+issue 32: ``capture_all`` copied both whole KV caches first, 2 GiB at llama-1b's 64 x 512 tokens,
+where a hand capture copies nothing)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphctl.graphs.effects import WriteTracker
+from graphctl.graphs.reach import storage_key
+
+
+def _tracked(pool: torch.Tensor, body) -> WriteTracker:
+    tracker = WriteTracker({}, set(), lean=True, journaled={storage_key(pool): pool})
+    with tracker:
+        body()
+    return tracker
+
+
+def _writes(pool: torch.Tensor, gen: torch.Generator):
+    """A forward's writes into a cache pool [blocks, 8, 4]: by index, by indices (a duplicate slot
+    included), scatter, a slice, an out= result, each over what the one before wrote."""
+    flat = pool.view(-1, 4)
+    slots = torch.randperm(flat.shape[0], generator=gen)[:5]
+    slots[4] = slots[0]  # two tokens at one slot: both read the same old row
+
+    def body() -> None:
+        flat.index_copy_(0, slots[:4], torch.randn(4, 4, generator=gen))
+        flat[slots] = torch.randn(5, 4, generator=gen)
+        flat.index_put_((slots,), torch.ones(5, 4), accumulate=True)
+        pool[1].scatter_add_(0, torch.randint(0, 8, (3, 4), generator=gen), torch.rand(3, 4, generator=gen))
+        pool[2, 3:5].copy_(torch.randn(2, 4, generator=gen))
+        torch.add(pool[3, 0], 1.0, out=pool[3, 0])
+        flat.index_fill_(0, slots[1:3], 7.0)
+    return body
+
+
+def test_a_journal_puts_back_every_kind_of_write_and_keeps_only_the_rows(gen):
+    # Regression: issue 32, undoing a warmup's K/V writes needed a copy of the whole pool.
+    pool = torch.randn(16, 8, 4, generator=gen)
+    before = pool.clone()
+    tracker = _tracked(pool, _writes(pool, gen))
+    assert not torch.equal(pool, before)  # the writes landed
+    kept = tracker.journal.nbytes
+    assert 0 < kept < pool.nbytes // 4, kept  # rows, not the pool
+    tracker.undo()
+    assert torch.equal(pool, before)
+    assert tracker.journal.nbytes == 0
+
+
+def test_past_half_the_storage_a_journal_keeps_the_whole_storage_once(gen):
+    pool = torch.randn(4, 8, 4, generator=gen)
+    before = pool.clone()
+
+    def body() -> None:
+        for _ in range(6):  # each rewrites the whole pool: row pre-images would outgrow it
+            pool.mul_(1.5)
+        pool[0, 0].fill_(3.0)  # after the whole copy: nothing more kept
+    tracker = _tracked(pool, body)
+    assert tracker.journal.nbytes <= pool.nbytes * 3 // 2
+    tracker.undo()
+    assert torch.equal(pool, before)
+
+
+def test_a_run_that_raises_partway_is_undone_by_rows(gen):
+    from graphctl.graphs.effects import Ledger
+
+    pool = torch.randn(16, 8, 4, generator=gen)
+    before = pool.clone()
+    body = _writes(pool, gen)
+
+    def run() -> None:
+        body()
+        raise RuntimeError("boom inside the forward")
+    with pytest.raises(RuntimeError, match="boom"):
+        Ledger("restore", None).track(run, {}, set(), lambda: None, lean=True,
+                                      journaled={storage_key(pool): pool})
+    assert torch.equal(pool, before)
+
+
+def _engine(device: str, seqs: int):
+    from graphctl.integrations.hf import HFEngine
+    from graphctl.integrations.hf.configs import hf_config
+
+    return HFEngine.build(hf_config("tiny-llama"), draft_len=2, max_seqs=seqs, max_context=512, block_size=16,
+                          device=device, dtype=torch.float32, seed=0)
+
+
+def _pools(eng) -> list[torch.Tensor]:
+    return [t for m in (eng.meta.kv_cache_manager, eng.meta.draft_kv_cache_manager) for t in (*m.k, *m.v)]
+
+
+@pytest.mark.parametrize("pieced", [False, True], ids=["whole-graph", "eager-region"])
+def test_capture_all_leaves_the_kv_caches_bitwise_without_copying_them_whole(backend, device, gen, pieced):
+    # Regression: issue 32, capture_all cloned both KV caches whole before its passes (2.5 GiB of reserved growth
+    # against a hand capture's 64 MiB on an H100); a capture that executes (emulated, or CUDA with an eager region
+    # replaying its pieces) must still leave them as found.
+    import graphctl
+    from graphctl.models import graphed_step
+
+    eng = _engine(device, seqs=64 if device == "cuda" else 16)
+    n, k = 4, 2
+    eng.meta.prepare(eng.state, torch.full((n,), k + 1, dtype=torch.int32), torch.full((n,), 40, dtype=torch.int32))
+    ids = torch.randint(0, eng.cfg.vocab, (n * (k + 1),), generator=gen).to(device)
+
+    @graphctl.eager
+    def region(h):
+        return h * float(h.abs().sum() > -1)  # a host read: only an eager region may do it
+
+    def layers(input_ids, meta):
+        return region(eng.run_layers(input_ids, eng.target_layers))
+
+    if pieced:
+        run = graphctl.graphed(layers, buckets=[n * (k + 1)], state=eng.state, backend=backend,
+                               inputs=["input_ids"], progress=False, params=eng.named_tensors())
+    else:
+        run = graphed_step(eng, "unrolled", buckets=[1, 2, 4], backend=backend)
+    (layers(ids, eng.meta) if pieced else eng.step(ids, eng.meta))  # library handles and workspaces made first
+    for t in _pools(eng):
+        t.copy_(torch.randn(t.shape, generator=gen))  # caches full of live data, never zeros
+    before = [t.clone() for t in _pools(eng)]
+    held = sum(t.nbytes for t in before)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    run.capture_all(ids, eng.meta)
+    for i, (t, b) in enumerate(zip(_pools(eng), before)):
+        assert torch.equal(t, b), f"cache tensor {i} changed by capture_all"
+    if device == "cuda" and not pieced:
+        peak = torch.cuda.max_memory_allocated() - base
+        assert peak < held // 4, (peak, held)  # rows of the warmups' writes, not a second cache
