@@ -9,8 +9,9 @@ process finds Inductor's and cuBLAS's caches warm, and the allocator's pools gro
       ``torch.cuda.graph`` capture into one shared pool, the metadata laid out for the bucket first
       (what the graph reads), the caches' contents not saved (the hand capture's only saving).
   ``forward``: a bare ``@graphed`` HF decode step over a ``StaticCache`` (hf_decode's model) at
-      the same buckets; hand: the same with the cache saved and restored around warmups and
-      capture (without it the first replay would start late).
+      the largest bucket only (a ``StaticCache`` holds one batch size: its ``index_copy_`` refuses
+      fewer rows; its first H100 run failed so at bucket 32); hand: the same with the cache saved
+      and restored around warmups and capture (without it the first replay would start late).
 
 Reported per variant: wall seconds of the whole capture (device work waited for), the graph pool's
 memory (``torch.cuda.memory_reserved`` growth across the capture, the cost a server pays in KV
@@ -113,6 +114,7 @@ def _forward_capture(variant: str, buckets: list[int]) -> dict:
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     kw = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
     n = max(buckets)
+    buckets = [n]  # one batch size a StaticCache (module docstring)
     cache = StaticCache(config=cfg, max_cache_len=256)
 
     def call(tok):
