@@ -27,8 +27,9 @@ of 1), median of ``--reps`` runs.
 Targets: (d) >= (c); (e, oracle) >= 3 x (b) at bs 1; (e) per step <= 1.05 x (f). Also per row: the
 time to first token against transformers' eager prefill, the host gap per step, the prefill graphed at
 the batch's token bucket (whole and piecewise), and (e) sampled at temperature 0.8, top-p 0.9
-(``e{k}_sampling_overhead``: its ms a step over the greedy step's, target <= 1.05; ``_triton``: with
-sampling's Triton filtering, ``GRAPHCTL_SAMPLING=auto``).
+(``e{k}_sampling_overhead``: its ms a step over the greedy step's with PyTorch's filtering,
+``GRAPHCTL_SAMPLING=reference``, target <= 1.05; ``_triton``: with sampling's Triton filtering,
+``GRAPHCTL_SAMPLING=auto``, the default).
 
     python bench/hf_speculative.py [--sizes 1 8 32] [--k 3 7] [--prompt 128] [--new 256] [--reps 5]
         [--paths graphctl a b c] [--compile] [--json out.json]
@@ -222,7 +223,7 @@ def _graphctl_variant(row: dict, eng: HFEngine, ps, buckets, args, g: torch.Gene
     tps, ms, acc, _ = _graphctl_tps(eng, ps, args.new, fwd, args.reps)
     row[f"e{k}_graphctl_spec_tps"], row[f"e{k}_ms_per_step"], row[f"e{k}_mean_accepted"] = tps, ms, acc
     # issue 34: the same step sampled (temperature 0.8, top-p 0.9: the oracle draft still matches the target), with
-    # the default PyTorch filtering and with the Triton one (GRAPHCTL_SAMPLING=auto; chosen at capture)
+    # the PyTorch filtering and with the Triton one (GRAPHCTL_SAMPLING=auto, the default; chosen at capture)
     for tag, choice in (("", "reference"), ("_triton", "auto")):
         with graphctl.knobs.scope(sampling=choice):
             sampled = graphed_step(eng, "unrolled", buckets=buckets, sampling=Sampling(0.8, 0, 0.9))

@@ -7,8 +7,8 @@ engine replays it) and timed between CUDA events, median of ``--repeats``:
 
   greedy     argmax of the target rows and of the draft rows (what a greedy step does);
   probs      ``probs_from_logits`` (temperature 0.8, top-p 0.9) of the target rows and draft rows
-             under ``GRAPHCTL_SAMPLING=auto``: on CUDA the Triton kernel for vocabularies up to 32,768;
-  probs_ref  the same under ``GRAPHCTL_SAMPLING=reference`` (PyTorch: sort and scan; the default);
+             under ``GRAPHCTL_SAMPLING=auto`` (the default): on CUDA the Triton kernel for vocabularies up to 32,768;
+  probs_ref  the same under ``GRAPHCTL_SAMPLING=reference`` (PyTorch: sort and scan);
   sort       sorting those rows' logits alone (top-p's floor with a sort);
   accept     ``speculative_accept`` over the target's and draft's probabilities;
   sampled    probs + the draft rows' races + accept: what sampling adds to a step, all told (and

@@ -155,8 +155,6 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
     runs = max(p.opts.warmup_iters, 2) if sites or compiled.is_compiled(p.fn) else p.opts.warmup_iters
     order = sorted(p.opts.buckets.sizes, reverse=True)
     graphs: dict[int, BucketGraph] = {}
-    # Persistent buffers (KV-cache pools) are undone by the rows each tracked warmup wrote (graphs/journal.py),
-    # not copied whole, where every warmup is tracked; a capture that executes gets a whole copy after all
     # Persistent buffers (KV-cache pools): where every warmup is tracked (an eager forward) each one's writes are
     # undone by the rows they touched (graphs/journal.py), and a capture that executes gets a whole copy; a
     # compiled forward's untracked runs get whole copies around every run, as mutable buffers do (cap.guard)

@@ -105,7 +105,7 @@ def _capture(st: StateCore, deps: tuple[str, ...]) -> Any:
     except Exception as exc:  # a fn that cannot be captured (or raises): eager from now on, which raises it again
         log.warning("graphctl: the recompute of %s cannot be captured as a CUDA graph (%s: %s); it runs op by op",
                     ", ".join(deps), type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        cur.wait_stream(side)
         return _EAGER
-    cur.wait_stream(side)
+    finally:
+        cur.wait_stream(side)
     return graph
