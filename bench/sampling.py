@@ -8,11 +8,12 @@ engine replays it) and timed between CUDA events, median of ``--repeats``:
   greedy     argmax of the target rows and of the draft rows (what a greedy step does);
   probs      ``probs_from_logits`` (temperature 0.8, top-p 0.9) of the target rows and draft rows
              under ``GRAPHCTL_SAMPLING=auto`` (the default): on CUDA the Triton kernel for vocabularies up to 32,768;
+  probs_full the Triton kernel with its full 31-step search (no start bound, no early exit: session 43's);
   probs_ref  the same under ``GRAPHCTL_SAMPLING=reference`` (PyTorch: sort and scan);
   sort       sorting those rows' logits alone (top-p's floor with a sort);
   accept     ``speculative_accept`` over the target's and draft's probabilities;
-  sampled    probs + the draft rows' races + accept: what sampling adds to a step, all told (and
-             ``sampled_ref`` with the reference filtering).
+  sampled    probs + the draft rows' races (fused into their filtering: ``probs_and_race``) + accept:
+             what sampling adds to a step, all told (and ``sampled_ref`` with the reference filtering).
 
     python bench/sampling.py [--sizes 1 8 32] [--k 3] [--vocab 128256] [--device cpu] [--json out.json]
 """
@@ -28,7 +29,7 @@ import time
 import torch
 
 from graphctl import knobs
-from graphctl.ops.sampling import noise, probs_from_logits, race, speculative_accept
+from graphctl.ops.sampling import noise, probs_and_race, probs_from_logits, speculative_accept
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paged_attention import graph_calls, replay_ms  # noqa: E402  (the CUDA-graph timer both benchmarks share)
@@ -97,14 +98,22 @@ def main() -> int:
             e = noise((k, bs, V), gen, dev)
             laws = []
             for i in range(k):
-                q = probs_from_logits(dl[i], 0.8, 0, 0.9)
-                race(q, e[i])
+                q, _ = probs_and_race(dl[i], e[i], 0.8, 0, 0.9)
                 laws.append(q)
             speculative_accept(p, torch.stack(laws, 1), drafts, gen, bs)
 
         with knobs.scope(sampling="auto"):  # the choice is made at capture: the graph keeps it
             timers = {n: _timer(f, a.iters, cuda) for n, f in
                       (("greedy", greedy), ("probs", probs), ("sort", sort), ("accept", accept), ("sampled", sampled))}
+        if cuda:
+            from graphctl.ops import sampling_triton as st
+            saved = st.CHECK, st._FLOOR_TOP_P
+            st.CHECK, st._FLOOR_TOP_P = 0, -1.0  # the kernel reads them at launch: this graph keeps them
+            try:
+                with knobs.scope(sampling="auto"):
+                    timers["probs_full"] = _timer(probs, a.iters, cuda)
+            finally:
+                st.CHECK, st._FLOOR_TOP_P = saved
         with knobs.scope(sampling="reference"):
             timers["probs_ref"] = _timer(probs, a.iters, cuda)
             timers["sampled_ref"] = _timer(sampled, a.iters, cuda)

@@ -31,7 +31,7 @@ from graphctl.graphs import GraphRunner, StaticInput, graphed, select_backend
 from graphctl.graphs.conditional import DeviceLoop
 from graphctl.models.mtp import MTPEngine, StepOutput
 from graphctl.models.sampled import Sampling, accept_sampled, draft_noise
-from graphctl.ops.sampling import noise, race
+from graphctl.ops.sampling import noise
 from graphctl.state.snapshot import Snapshot
 
 __all__ = [
@@ -117,8 +117,7 @@ class DynamicDraft:
                 if sampling is None:
                     new = logits.argmax(-1)
                 else:
-                    q = sampling.probs(logits)
-                    new = race(q, e.index_select(0, self.counter)[0])
+                    q, new = sampling.draw(logits, e.index_select(0, self.counter)[0])
                     now = laws.index_select(1, self.counter)  # [n, 1, V]: one-hot 0 until written
                     laws.index_copy_(1, self.counter, torch.where(active[:, None, None], q[:, None], now))
                 conf = torch.softmax(logits.float(), -1).amax(-1)
@@ -213,9 +212,9 @@ class PerStepLoop:
             if sampling is None:
                 token.copy_(logits.argmax(-1))
                 return
-            q = sampling.probs(logits)
+            q, new = sampling.draw(logits, self.noise.index_select(0, self.at)[0])
             self.law[:b].copy_(q)
-            token.copy_(race(q, self.noise.index_select(0, self.at)[0]))
+            token.copy_(new)
             self.at.add_(1)
 
         gens = () if sampling is None else (eng.meta.generator,)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from graphctl.ops.sampling import noise, probs_from_logits, race, sample, speculative_accept
+from graphctl.ops.sampling import noise, probs_and_race, probs_from_logits, sample, speculative_accept
 from graphctl.state import StateSpec, Swap
 
 __all__ = ["Sampling", "with_generators", "attach_generators", "sample_step", "sample_tokens", "accept_sampled",
@@ -41,6 +41,10 @@ class Sampling:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         return probs_from_logits(logits, self.temperature, self.top_k, self.top_p)
+
+    def draw(self, logits: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft step's law and its token raced with the noise ``e`` (one kernel on CUDA)."""
+        return probs_and_race(logits, e, self.temperature, self.top_k, self.top_p)
 
 
 def with_generators(spec: StateSpec) -> StateSpec:
@@ -92,8 +96,7 @@ def sample_step(eng: Any, input_ids: torch.Tensor, draft_probs: torch.Tensor, me
         e = draft_noise(eng, k)
         tok, drafts, laws = token, [], []
         for i in range(k):
-            q = sampling.probs(eng.draft_step(tok, eng.draft_kv_lens(base, i), st.write))
-            tok = race(q, e[i])
+            q, tok = sampling.draw(eng.draft_step(tok, eng.draft_kv_lens(base, i), st.write), e[i])
             drafts.append(tok)
             laws.append(q)
     return accepted, token, torch.stack(drafts, 1), torch.stack(laws, 1).reshape(n * k, vocab)

@@ -24,7 +24,7 @@ import torch
 
 from graphctl.ops.triton_pick import TritonPick
 
-__all__ = ["probs_from_logits", "sample", "noise", "race", "speculative_accept"]
+__all__ = ["probs_from_logits", "probs_and_race", "sample", "noise", "race", "speculative_accept"]
 
 _Setting = float | int | torch.Tensor
 
@@ -92,13 +92,31 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
     return p
 
 
-# GRAPHCTL_SAMPLING's choice (ops/triton_pick.py): the kernel of probs_from_logits' host-settings case
+# GRAPHCTL_SAMPLING's choice (ops/triton_pick.py): the kernels of probs_from_logits' host-settings case
+# (with probs_and_race's race fused) and of speculative_accept
 PICK = TritonPick("sampling", "graphctl.ops.sampling_triton", "probs")
+ACCEPT = TritonPick("sampling", "graphctl.ops.sampling_triton", "accept")
 
 
-def _not_filtered(logits: torch.Tensor, temperature: float, top_p: float) -> None:
-    """The Triton kernel's stand-in where it cannot build: None, so the PyTorch code runs."""
+def _not_filtered(*args: object) -> None:
+    """A Triton kernel's stand-in where it cannot build: None, so the PyTorch code runs."""
     return None
+
+
+def probs_and_race(logits: torch.Tensor, e: torch.Tensor, temperature: _Setting = 1.0, top_k: _Setting = 0,
+                   top_p: _Setting = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p, race(p, e))`` for ``p = probs_from_logits(logits, temperature, top_k, top_p)``: a draft
+    step's law and its draw. Where the filtering's kernel serves the settings, one launch does both
+    (the same numbers: the race runs on the probabilities it writes)."""
+    _check(temperature, top_k, top_p)
+    if isinstance(temperature, (int, float)) and temperature > 0 and isinstance(top_p, (int, float)) and \
+            isinstance(top_k, int) and (not top_k or top_k >= logits.shape[-1]):
+        kernel = PICK.kernel(logits.device)
+        fast = None if kernel is None else PICK.run(kernel, _not_filtered, logits, float(temperature), float(top_p), e)
+        if fast is not None:
+            return fast
+    p = probs_from_logits(logits, temperature, top_k, top_p)
+    return p, race(p, e)
 
 
 def _scale(temperature: _Setting, rows: int, like: torch.Tensor) -> torch.Tensor | float:
@@ -160,6 +178,11 @@ def speculative_accept(target: torch.Tensor, draft: torch.Tensor, drafts: torch.
     p_d = t[:, :k].gather(-1, idx).squeeze(-1)  # target probability of each drafted token
     q_d = q.gather(-1, idx).squeeze(-1)
     u = torch.rand(max(rows, n), k, generator=generator, device=target.device)[:n]
+    e = noise((max(rows, n), vocab), generator, target.device)  # drawn after u, as sample() would
+    kernel = ACCEPT.kernel(target.device)  # CUDA: one Triton program a request (GRAPHCTL_SAMPLING)
+    fast = None if kernel is None else ACCEPT.run(kernel, _not_filtered, t, q, drafts, u, e)
+    if fast is not None:
+        return fast
     # accept with probability min(1, p/q): u * q < p (q > 0 where the draft drew the token)
     ok = (u * q_d < p_d).long()
     accepted = 1 + ok.cumprod(1).sum(1)  # drafts kept before the first rejection, plus the emitted token
@@ -171,5 +194,4 @@ def speculative_accept(target: torch.Tensor, draft: torch.Tensor, drafts: torch.
     residual = (p_at - q_at).clamp(min=0)
     # a zero residual (p == q there, so that position never rejects) falls back to p: never drawn from
     law = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
-    token = sample(law, generator, rows)
-    return accepted, token
+    return accepted, race(law, e)

@@ -59,6 +59,40 @@ assert probs(torch.randn(1, 40000), 1.0, 0.9) is None  # a row that does not fit
 print("ok")
 """
 
+_CHECK_FAST = r"""
+import sys, torch
+from graphctl.ops import sampling_triton as st
+from graphctl.ops.sampling import noise, race, speculative_accept
+sys.path.insert(0, sys.argv[1])
+from unit.test_sampling_triton import SETTINGS, _logits
+gen = torch.Generator().manual_seed(int(sys.argv[2]))
+# the search's start bound and early exit change no bit of the full 31-step bisection's result
+for rows, vocab in ((3, 33), (2, 4099), (2, 32000)):
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = _logits(gen, rows, vocab, dtype)
+        for t, p in SETTINGS + [(3.0, 0.95), (1.0, 0.99999)]:
+            st.CHECK, st._FLOOR_TOP_P = 0, -1.0
+            full = st.probs(logits, t, p)
+            st.CHECK, st._FLOOR_TOP_P = 4, 0.9999
+            e = noise((rows + 1, vocab), gen, logits.device)
+            fast, tok = st.probs(logits, t, p, e)
+            assert torch.equal(full, fast), (rows, vocab, dtype, t, p)
+            assert torch.equal(tok, race(full, e)), (rows, vocab, dtype, t, p)
+# the acceptance kernel draws what the reference draws from the same stream, q == p rows included
+for n, k, vocab in ((1, 1, 7), (3, 3, 33), (2, 4, 9000)):
+    for same in (False, True):
+        p = torch.softmax(torch.randn(n, k + 1, vocab, generator=gen) * 2, -1)
+        q = p[:, :k].clone() if same else torch.softmax(torch.randn(n, k, vocab, generator=gen) * 2, -1)
+        drafts = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).view(n, k)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        a = speculative_accept(p, q, drafts, torch.Generator().manual_seed(seed), n + 2)  # CPU: the reference
+        g2 = torch.Generator().manual_seed(seed)
+        u = torch.rand(n + 2, k, generator=g2)[:n]
+        b = st.accept(p, q, drafts, u, noise((n + 2, vocab), g2, p.device))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (n, k, vocab, same, a, b)
+print("ok")
+"""
+
 
 def test_the_triton_filtering_equals_the_reference_in_triton_s_interpreter(gen):
     # Regression: issue 34, sampling's sort-and-scan filtering cost 1.1-1.3x a greedy step; its one-kernel
@@ -68,6 +102,18 @@ def test_the_triton_filtering_equals_the_reference_in_triton_s_interpreter(gen):
     seed = str(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
     res = subprocess.run([sys.executable, "-c", _CHECK, tests, seed], env={**os.environ, "TRITON_INTERPRET": "1"},
                          capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().endswith("ok")
+
+
+def test_the_fast_search_race_and_acceptance_kernels_equal_their_references_in_the_interpreter(gen):
+    # Regression: issue 34, sampling cost 1.07x greedy: the search now starts at a bound and stops early,
+    # the draft's race rides the filtering and acceptance is one kernel; none may change a token.
+    pytest.importorskip("triton")
+    tests = os.path.dirname(os.path.dirname(__file__))
+    seed = str(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    res = subprocess.run([sys.executable, "-c", _CHECK_FAST, tests, seed], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().endswith("ok")
 
@@ -117,3 +163,26 @@ def test_the_triton_filtering_replays_in_a_cuda_graph_with_new_logits(gen):
     with knobs.scope(sampling="reference"):
         want = probs_from_logits(logits, 0.8, 0, 0.9)
     _assert_same_law(out.clone(), want, logits, 0.8, "replay")
+
+
+@pytest.mark.cuda
+def test_the_acceptance_kernel_and_the_fused_race_draw_the_reference_s_tokens_on_cuda(gen):
+    pytest.importorskip("triton")
+    for n, k, vocab in ((1, 3, 32000), (8, 3, 32000), (5, 2, 4099), (3, 1, 128256)):
+        p = torch.softmax(torch.randn(n, k + 1, vocab, generator=gen) * 3, -1).cuda()
+        q = torch.softmax(torch.randn(n, k, vocab, generator=gen) * 3, -1).cuda()
+        q[0] = p[0, :k]  # a request whose residual is zero: drawn from p
+        drafts = torch.multinomial(q.reshape(-1, vocab), 1).view(n, k)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        out = {}
+        for choice in ("triton", "reference"):
+            with knobs.scope(sampling=choice):
+                out[choice] = sampling.speculative_accept(p, q, drafts, torch.Generator("cuda").manual_seed(seed), 16)
+        assert sampling.ACCEPT.state.get("ran"), "triton should have launched the acceptance kernel"
+        assert torch.equal(out["triton"][0], out["reference"][0]), (n, k, vocab)
+        assert torch.equal(out["triton"][1], out["reference"][1]), (n, k, vocab)
+        logits = _logits(gen, n, min(vocab, 32000), torch.bfloat16).cuda()
+        e = sampling.noise((16, logits.shape[1]), None, logits.device)
+        with knobs.scope(sampling="triton"):
+            law, tok = sampling.probs_and_race(logits, e, 0.8, 0, 0.9)
+        assert torch.equal(tok, sampling.race(law, e)), (n, vocab)
