@@ -114,8 +114,8 @@ def _accept() -> Any:
     def graphctl_accept(T, Q, D, U, E, ACC, TOK, V, st0, st1, sq0, sq1, sd, su, se, K: tl.constexpr,
                         BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
-        at = 0  # drafts kept before the first rejection
-        going = 1
+        at = tl.full((), 0, tl.int32)  # drafts kept before the first rejection
+        going = tl.full((), 1, tl.int32)
         for j in tl.static_range(K):
             d = tl.load(D + r * sd + j).to(tl.int64)
             pd = tl.load(T + r * st0 + j * st1 + d)
