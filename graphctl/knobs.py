@@ -75,9 +75,10 @@ KNOBS: tuple[Knob, ...] = (
          "where Triton imports, else the pure-PyTorch reference), `triton` (an error without Triton) or "
          "`reference` (gather the pages, attend under a mask). Other devices always run the reference."),
     Knob("sampling", "GRAPHCTL_SAMPLING", _parse_choice("auto", "triton", "reference"), "auto", "runtime",
-         "The CUDA kernel of sampling's filtering (temperature and top-p to probabilities, host settings, top-k "
-         "off, vocabularies up to 32,768): `auto` (one Triton program a row where Triton imports and builds, "
-         "else the reference), `triton` (an error without Triton) or `reference` (sort and scan in PyTorch). "
+         "Sampling's CUDA kernels: the filtering (temperature and top-p to probabilities, host settings, top-k "
+         "off, vocabularies up to 32,768; a draft step's race fused in) and speculative acceptance: `auto` "
+         "(Triton, one program a row, where Triton imports and builds, else the reference), `triton` (an error "
+         "without Triton) or `reference` (PyTorch: sort and scan, a dozen small kernels for the acceptance). "
          "Other devices, other settings and larger vocabularies always run the reference."),
     Knob("graphed_recompute", "GRAPHCTL_GRAPHED_RECOMPUTE", _parse_bool, True, "runtime",
          "Replay a write's derived-buffer recompute from one CUDA graph, captured the second time the same chain "
