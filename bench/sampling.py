@@ -8,11 +8,11 @@ engine replays it) and timed between CUDA events, median of ``--repeats``:
   greedy     argmax of the target rows and of the draft rows (what a greedy step does);
   probs      ``probs_from_logits`` (temperature 0.8, top-p 0.9) of the target rows and draft rows
              under ``GRAPHCTL_SAMPLING=auto`` (the default): on CUDA the Triton kernel for vocabularies up to 32,768;
-  probs_full the Triton kernel with its full 31-step search (no start bound, no early exit: session 43's);
+  probs_full the Triton kernel searching float32 probabilities in 31 steps (session 43's), not 16-bit logits;
   probs_ref  the same under ``GRAPHCTL_SAMPLING=reference`` (PyTorch: sort and scan);
   sort       sorting those rows' logits alone (top-p's floor with a sort);
   accept     ``speculative_accept`` over the target's and draft's probabilities;
-  sampled    probs + the draft rows' races (fused into their filtering: ``probs_and_race``) + accept:
+  sampled    probs + the draft rows' races (one Triton launch each) + accept (one):
              what sampling adds to a step, all told (and ``sampled_ref`` with the reference filtering).
 
     python bench/sampling.py [--sizes 1 8 32] [--k 3] [--vocab 128256] [--device cpu] [--json out.json]
@@ -107,13 +107,13 @@ def main() -> int:
                       (("greedy", greedy), ("probs", probs), ("sort", sort), ("accept", accept), ("sampled", sampled))}
         if cuda:
             from graphctl.ops import sampling_triton as st
-            saved = st.CHECK, st._FLOOR_TOP_P
-            st.CHECK, st._FLOOR_TOP_P = 0, -1.0  # the kernel reads them at launch: this graph keeps them
+            saved = st.KEYED, st._FLOOR_TOP_P
+            st.KEYED, st._FLOOR_TOP_P = False, -1.0  # the kernel reads them at launch: this graph keeps them
             try:
                 with knobs.scope(sampling="auto"):
                     timers["probs_full"] = _timer(probs, a.iters, cuda)
             finally:
-                st.CHECK, st._FLOOR_TOP_P = saved
+                st.KEYED, st._FLOOR_TOP_P = saved
         with knobs.scope(sampling="reference"):
             timers["probs_ref"] = _timer(probs, a.iters, cuda)
             timers["sampled_ref"] = _timer(sampled, a.iters, cuda)

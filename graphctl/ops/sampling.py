@@ -96,6 +96,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
 # (with probs_and_race's race fused) and of speculative_accept
 PICK = TritonPick("sampling", "graphctl.ops.sampling_triton", "probs")
 ACCEPT = TritonPick("sampling", "graphctl.ops.sampling_triton", "accept")
+RACE = TritonPick("sampling", "graphctl.ops.sampling_triton", "race")
 
 
 def _not_filtered(*args: object) -> None:
@@ -106,15 +107,8 @@ def _not_filtered(*args: object) -> None:
 def probs_and_race(logits: torch.Tensor, e: torch.Tensor, temperature: _Setting = 1.0, top_k: _Setting = 0,
                    top_p: _Setting = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(p, race(p, e))`` for ``p = probs_from_logits(logits, temperature, top_k, top_p)``: a draft
-    step's law and its draw. Where the filtering's kernel serves the settings, one launch does both
-    (the same numbers: the race runs on the probabilities it writes)."""
-    _check(temperature, top_k, top_p)
-    if isinstance(temperature, (int, float)) and temperature > 0 and isinstance(top_p, (int, float)) and \
-            isinstance(top_k, int) and (not top_k or top_k >= logits.shape[-1]):
-        kernel = PICK.kernel(logits.device)
-        fast = None if kernel is None else PICK.run(kernel, _not_filtered, logits, float(temperature), float(top_p), e)
-        if fast is not None:
-            return fast
+    step's law and its draw (two launches on CUDA: the race is not fused into the filtering, whose
+    registers the row fills already)."""
     p = probs_from_logits(logits, temperature, top_k, top_p)
     return p, race(p, e)
 
@@ -147,7 +141,11 @@ def noise(shape: tuple[int, ...] | torch.Size, generator: torch.Generator | None
 
 def race(probs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` [n, vocab] from the noise ``e`` [>= n, vocab] (:func:`noise`):
-    ``argmax(p / e)``, an exact draw from ``p``."""
+    ``argmax(p / e)``, an exact draw from ``p`` (on CUDA one Triton launch: ``GRAPHCTL_SAMPLING``)."""
+    kernel = RACE.kernel(probs.device)
+    fast = None if kernel is None or probs.dim() != 2 else RACE.run(kernel, _not_filtered, probs.float(), e)
+    if fast is not None:
+        return fast
     return (probs.float() / e[: probs.shape[0]]).argmax(-1)
 
 

@@ -6,22 +6,22 @@ vocabulary, the sort the dearest); here a program holds its whole row in registe
 to ``MAX_VOCAB``) and finds the top-p boundary by bisection instead of a sort: the kept set is every
 token whose probability is at least ``v``, for the largest ``v`` at which the mass of those tokens
 still reaches ``top_p`` (the same set as the reference's: the smallest prefix of most likely tokens
-reaching ``top_p``, ties with its least likely token kept). ``v`` is searched over float32 bit
-patterns, which order non-negative floats as their values, each step one masked sum over the row in
-registers. The search starts at ``(1 - top_p) / 2V``, not 0 (tokens below it hold under
-``(1 - top_p) / 2`` of the mass, so the boundary is above it), and stops as soon as no probability
-lies strictly inside the interval left (a count every ``CHECK`` steps): the kept set cannot change
-after that, so it is the set the full 31 halvings give, in about half the steps on real rows. One
-read of the logits, one write of the probabilities; with noise given, the race of
-``ops.sampling.race`` (``argmax(p / e)``) on the same registers, the token written too. Sums are
-taken in a tree, not the reference's running order, so a row whose running mass comes within
-float32 rounding of ``top_p`` may keep one token more or less than the reference.
+reaching ``top_p``, ties with its least likely token kept). Each step is one masked sum over the row
+in registers, and what is searched is the fewest candidates that hold ``v``: 16-bit logits' 65,536
+bit patterns (16 steps; a logit ``L`` stands for ``p(L)``, the probability a token of logit ``L`` gets
+by the same float32 ops, and ``p`` is monotone in ``L``), else float32 probabilities' bit patterns,
+which order non-negative floats as their values, from ``(1 - top_p) / 2V`` up (tokens below it hold
+under ``(1 - top_p) / 2`` of the mass; about 27 steps). Both find the ``v`` of the full 31-step
+search over probabilities, bit for bit. One read of the logits, one write of the probabilities.
+Sums are taken in a tree, not the reference's running order, so a row whose running mass comes
+within float32 rounding of ``top_p`` may keep one token more or less than the reference. Fusing a
+draft step's race in was tried: the noise spilled the row's registers and cost 30 us a launch.
 
-**Acceptance** (``accept``, reference ``speculative_accept``): one program a request reads its drafts'
-target and draft probabilities and its uniforms, counts the leading accepted drafts, then races the
-residual law (or the target's, for the bonus) against its noise in one pass over the vocabulary:
-the dozen small kernels of the reference in one launch, the same tokens (the same float32
-arithmetic, IEEE division, first index among ties).
+**Acceptance** (``accept``, reference ``speculative_accept``; with no drafts it is ``race``): one
+program a request reads its drafts' target and draft probabilities and its uniforms, counts the
+leading accepted drafts, then races the residual law (or the target's, for the bonus) against its
+noise in one pass over the vocabulary: the dozen small kernels of the reference in one launch, the
+same tokens (the same float32 arithmetic, IEEE division, first index among ties).
 
 ``TRITON_INTERPRET=1`` runs both on CPU tensors (the CPU tests compare them with the references so).
 """
@@ -35,48 +35,60 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["probs", "accept", "MAX_VOCAB"]
+__all__ = ["probs", "race", "accept", "MAX_VOCAB"]
 
 MAX_VOCAB = 32768  # a row of float32 in the registers of 16 warps: 64 values a thread
-CHECK = 4  # bisection steps between the filtering's early-exit counts (bench/sampling.py --sweep-check)
+KEYED = True  # 16-bit logits: search their bit patterns (16 steps), not float32 probabilities' (bench: False)
 _FLOOR_TOP_P = 0.9999  # above it the start bound's margin, (1 - top_p) / 2, nears the sums' rounding: start at 0
 
 
 @functools.cache
 def _filter() -> Any:
     @triton.jit
-    def graphctl_top_p(X, OUT, E, TOK, V, sx, so, se, temperature, top_p, floor, BLOCK: tl.constexpr,
-                       FILTER: tl.constexpr, RACE: tl.constexpr, CHECK: tl.constexpr):
+    def graphctl_top_p(X, OUT, V, sx, so, temperature, top_p, floor, BLOCK: tl.constexpr, FILTER: tl.constexpr,
+                       KEYED: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < V
-        x = tl.load(X + r * sx + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        x = tl.math.div_rn(x, temperature)  # as the reference divides (not a multiply by 1 / t)
-        e = tl.exp(x - tl.max(x, 0))
-        p = tl.math.div_rn(e, tl.sum(e, 0))
+        raw = tl.load(X + r * sx + offs, mask=mask, other=float("-inf"))
+        x = tl.math.div_rn(raw.to(tl.float32), temperature)  # as the reference divides (not a multiply by 1 / t)
+        top = tl.max(x, 0)
+        total = tl.sum(tl.exp(x - top), 0)
+        p = tl.math.div_rn(tl.exp(x - top), total)
         if FILTER:
-            # largest v with mass(p >= v) >= top_p; lo holds it, hi never does (it is above max p)
-            lo = tl.full((), 0, tl.int32) + floor
-            hi = tl.max(p, 0).to(tl.int32, bitcast=True) + 1
-            steps = 0
-            while hi - lo > 1:
-                mid = lo + (hi - lo) // 2
-                mass = tl.sum(tl.where(p >= mid.to(tl.float32, bitcast=True), p, 0.0), 0)
-                ok = mass >= top_p
-                lo = tl.where(ok, mid, lo)
-                hi = tl.where(ok, hi, mid)
-                steps += 1
-                if CHECK > 0:
-                    if steps % CHECK == 0:
-                        # nothing strictly inside (lo, hi): every later mid fails, the kept set is p >= lo
-                        inside = (p > lo.to(tl.float32, bitcast=True)) & (p < hi.to(tl.float32, bitcast=True))
-                        hi = tl.where(tl.sum(inside.to(tl.int32), 0) == 0, lo + 1, hi)
-            p = tl.where(p >= lo.to(tl.float32, bitcast=True), p, 0.0)
+            if KEYED:
+                # 16-bit logits: search their 65,536 patterns, ordered as values by the key k(b) (sign set:
+                # b ^ 0xFFFF; clear: b | 0x8000). A logit L stands for the probability p(L) a token of
+                # logit L gets, computed by the ops that made p: {p >= p(L)} is the threshold set at L.
+                bits = raw.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                key = tl.where(bits >= 0x8000, bits ^ 0xFFFF, bits | 0x8000)
+                lo = tl.min(tl.where(mask, key, 0xFFFF), 0)  # the least logit: everything, mass 1
+                hi = tl.max(tl.where(mask, key, 0), 0) + 1
+                while hi - lo > 1:
+                    mid = lo + (hi - lo) // 2
+                    b = tl.where(mid >= 0x8000, mid & 0x7FFF, mid ^ 0xFFFF).to(tl.int16)
+                    v = tl.math.div_rn(tl.exp(tl.math.div_rn(b.to(raw.dtype, bitcast=True).to(tl.float32),
+                                                             temperature) - top), total)
+                    ok = tl.sum(tl.where(p >= v, p, 0.0), 0) >= top_p
+                    lo = tl.where(ok, mid, lo)
+                    hi = tl.where(ok, hi, mid)
+                b = tl.where(lo >= 0x8000, lo & 0x7FFF, lo ^ 0xFFFF).to(tl.int16)
+                v = tl.math.div_rn(tl.exp(tl.math.div_rn(b.to(raw.dtype, bitcast=True).to(tl.float32),
+                                                         temperature) - top), total)
+            else:
+                # float32 bit patterns order non-negative floats as their values: largest v with
+                # mass(p >= v) >= top_p; lo holds it (the start bound, or 0), hi never does (above max p)
+                lo = tl.full((), 0, tl.int32) + floor
+                hi = tl.max(p, 0).to(tl.int32, bitcast=True) + 1
+                while hi - lo > 1:
+                    mid = lo + (hi - lo) // 2
+                    ok = tl.sum(tl.where(p >= mid.to(tl.float32, bitcast=True), p, 0.0), 0) >= top_p
+                    lo = tl.where(ok, mid, lo)
+                    hi = tl.where(ok, hi, mid)
+                v = lo.to(tl.float32, bitcast=True)
+            p = tl.where(p >= v, p, 0.0)
             p = tl.math.div_rn(p, tl.sum(p, 0))
         tl.store(OUT + r * so + offs, p, mask=mask)
-        if RACE:
-            noise = tl.load(E + r * se + offs, mask=mask, other=1.0)
-            tl.store(TOK + r, tl.argmax(tl.math.div_rn(p, noise), 0).to(tl.int64))
 
     return graphctl_top_p
 
@@ -86,26 +98,29 @@ def _bits(x: float) -> int:
     return max(struct.unpack("<i", struct.pack("<f", x))[0] - 1, 0)
 
 
-def probs(logits: torch.Tensor, temperature: float, top_p: float,
-          noise: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+def probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor | None:
     """[rows, vocab] logits (any float dtype) -> float32 probabilities at ``temperature`` (> 0) with
-    top-p ``top_p`` (1.0: off); with ``noise`` ([>= rows, vocab] float32), ``(probs, tokens)``, the
-    tokens raced as ``ops.sampling.race`` does. None where a row does not fit (vocab over ``MAX_VOCAB``)."""
+    top-p ``top_p`` (1.0: off); None where a row does not fit (vocab over ``MAX_VOCAB``)."""
     rows, vocab = logits.shape
     if vocab > MAX_VOCAB:
         return None
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     out = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
-    tok = torch.empty(rows, dtype=torch.int64, device=logits.device) if noise is not None else out
-    e = out if noise is None else (noise if noise.stride(-1) == 1 else noise.contiguous())
     if rows:
         block = max(triton.next_power_of_2(vocab), 16)
         warps = max(1, min(16, block // 2048))  # up to 64 values a thread
         floor = _bits(0.5 * (1.0 - top_p) / vocab) if top_p <= _FLOOR_TOP_P else 0
-        _filter()[(rows,)](x, out, e, tok, vocab, x.stride(0), out.stride(0), e.stride(0), float(temperature),
-                           float(top_p), floor, BLOCK=block, FILTER=top_p < 1.0, RACE=noise is not None,
-                           CHECK=CHECK, num_warps=warps)
-    return out if noise is None else (out, tok)
+        _filter()[(rows,)](x, out, vocab, x.stride(0), out.stride(0), float(temperature), float(top_p), floor,
+                           BLOCK=block, FILTER=top_p < 1.0, KEYED=KEYED and x.element_size() == 2, num_warps=warps)
+    return out
+
+
+def race(p: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``ops.sampling.race``: ``argmax(p / e)`` a row of float32 ``p`` [n, V] with noise ``e`` [>= n, V],
+    in one launch (the acceptance kernel with no drafts: the bonus token's race)."""
+    n, vocab = p.shape
+    none = torch.empty((n, 0), dtype=torch.int64, device=p.device)
+    return accept(p.view(n, 1, vocab), p.view(n, 1, vocab)[:, :0], none, none, e)[1]
 
 
 @functools.cache
