@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import graphctl
-from graphctl.ops.sampling import probs_from_logits, sample, speculative_accept
+from graphctl.ops.sampling import noise, probs_from_logits, race, sample, speculative_accept
 
 ALPHA = 1e-6
 
@@ -83,6 +83,16 @@ def test_bad_settings_are_clear_errors(bad):
     # Regression: issue 34, a negative temperature or a top_p of 0 must not silently sample garbage.
     with pytest.raises(ValueError, match=next(iter(bad))):
         probs_from_logits(torch.randn(2, 5), **bad)
+
+
+def test_noise_of_the_wrong_shape_is_a_clear_error(gen):
+    # Regression: issue 34, the race kernel indexes the noise by row: too few rows or another vocabulary would
+    # read past it (the reference's broadcast error named neither shape).
+    p = torch.softmax(torch.randn(3, 10, generator=gen), -1)
+    for bad in (noise((2, 10), gen, p.device), noise((3, 11), gen, p.device), noise((3,), gen, p.device)):
+        with pytest.raises(ValueError, match=r"race: noise of shape .* expected \[>= 3, 10\]"):
+            race(p, bad)
+    assert race(p, noise((5, 10), gen, p.device)).shape == (3,)  # more rows than needed: the first ones
 
 
 def test_sample_draws_from_the_distribution_and_is_seeded(gen):
