@@ -39,6 +39,7 @@ __all__ = ["probs", "race", "accept", "MAX_VOCAB"]
 
 MAX_VOCAB = 32768  # a row of float32 in the registers of 16 warps: 64 values a thread
 KEYED = True  # 16-bit logits: search their bit patterns (16 steps), not float32 probabilities' (bench: False)
+IEEE_DIV = False  # the filtering's probabilities by IEEE division, not a reciprocal's multiply (bench only)
 _FLOOR_TOP_P = 0.9999  # above it the start bound's margin, (1 - top_p) / 2, nears the sums' rounding: start at 0
 
 
@@ -46,15 +47,22 @@ _FLOOR_TOP_P = 0.9999  # above it the start bound's margin, (1 - top_p) / 2, nea
 def _filter() -> Any:
     @triton.jit
     def graphctl_top_p(X, OUT, V, sx, so, temperature, top_p, floor, BLOCK: tl.constexpr, FILTER: tl.constexpr,
-                       KEYED: tl.constexpr):
+                       KEYED: tl.constexpr, IEEE: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < V
         raw = tl.load(X + r * sx + offs, mask=mask, other=float("-inf"))
         x = tl.math.div_rn(raw.to(tl.float32), temperature)  # as the reference divides (not a multiply by 1 / t)
         top = tl.max(x, 0)
-        total = tl.sum(tl.exp(x - top), 0)
-        p = tl.math.div_rn(tl.exp(x - top), total)
+        e = tl.exp(x - top)
+        total = tl.sum(e, 0)
+        # a multiply by 1 / total, not a division a token: IEEE division is a dozen instructions with a
+        # slow path, and the probabilities need not be the reference's bits (the tests allow 2e-6)
+        inv = tl.math.div_rn(1.0, total)
+        if IEEE:
+            p = tl.math.div_rn(e, total)
+        else:
+            p = e * inv
         if FILTER:
             if KEYED:
                 # 16-bit logits: search their 65,536 patterns, ordered as values by the key k(b) (sign set:
@@ -67,14 +75,14 @@ def _filter() -> Any:
                 while hi - lo > 1:
                     mid = lo + (hi - lo) // 2
                     b = tl.where(mid >= 0x8000, mid & 0x7FFF, mid ^ 0xFFFF).to(tl.int16)
-                    v = tl.math.div_rn(tl.exp(tl.math.div_rn(b.to(raw.dtype, bitcast=True).to(tl.float32),
-                                                             temperature) - top), total)
+                    v = tl.exp(tl.math.div_rn(b.to(raw.dtype, bitcast=True).to(tl.float32), temperature) - top)
+                    v = tl.math.div_rn(v, total) if IEEE else v * inv  # p(L) by the very ops p was made with
                     ok = tl.sum(tl.where(p >= v, p, 0.0), 0) >= top_p
                     lo = tl.where(ok, mid, lo)
                     hi = tl.where(ok, hi, mid)
                 b = tl.where(lo >= 0x8000, lo & 0x7FFF, lo ^ 0xFFFF).to(tl.int16)
-                v = tl.math.div_rn(tl.exp(tl.math.div_rn(b.to(raw.dtype, bitcast=True).to(tl.float32),
-                                                         temperature) - top), total)
+                v = tl.exp(tl.math.div_rn(b.to(raw.dtype, bitcast=True).to(tl.float32), temperature) - top)
+                v = tl.math.div_rn(v, total) if IEEE else v * inv
             else:
                 # float32 bit patterns order non-negative floats as their values: largest v with
                 # mass(p >= v) >= top_p; lo holds it (the start bound, or 0), hi never does (above max p)
@@ -87,7 +95,8 @@ def _filter() -> Any:
                     hi = tl.where(ok, hi, mid)
                 v = lo.to(tl.float32, bitcast=True)
             p = tl.where(p >= v, p, 0.0)
-            p = tl.math.div_rn(p, tl.sum(p, 0))
+            kept = tl.sum(p, 0)
+            p = tl.math.div_rn(p, kept) if IEEE else p * tl.math.div_rn(1.0, kept)
         tl.store(OUT + r * so + offs, p, mask=mask)
 
     return graphctl_top_p
@@ -111,7 +120,8 @@ def probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tenso
         warps = max(1, min(16, block // 2048))  # up to 64 values a thread
         floor = _bits(0.5 * (1.0 - top_p) / vocab) if top_p <= _FLOOR_TOP_P else 0
         _filter()[(rows,)](x, out, vocab, x.stride(0), out.stride(0), float(temperature), float(top_p), floor,
-                           BLOCK=block, FILTER=top_p < 1.0, KEYED=KEYED and x.element_size() == 2, num_warps=warps)
+                           BLOCK=block, FILTER=top_p < 1.0, KEYED=KEYED and x.element_size() == 2, IEEE=IEEE_DIV,
+                           num_warps=warps)
     return out
 
 
@@ -121,6 +131,13 @@ def race(p: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     n, vocab = p.shape
     none = torch.empty((n, 0), dtype=torch.int64, device=p.device)
     return accept(p.view(n, 1, vocab), p.view(n, 1, vocab)[:, :0], none, none, e)[1]
+
+
+@triton.jit
+def _first_max(v1, i1, v2, i2):
+    """The larger value, the smaller index among equal ones (torch's argmax: the first maximum)."""
+    first = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+    return tl.where(first, v1, v2), tl.where(first, i1, i2)
 
 
 @functools.cache
@@ -138,34 +155,39 @@ def _accept() -> Any:
             u = tl.load(U + r * su + j)
             going = going * (u * qd < pd).to(tl.int32)
             at += going
-        # race max(0, p - q) at the first rejection (q = 0 past the last draft: the bonus, from p),
-        # and p itself, for a residual that is zero everywhere
+        # race max(0, p - q) at the first rejection (q = 0 past the last draft: the bonus, from p); each
+        # lane keeps its best (value, index) over the chunks, one reduction at the end (a reduction a
+        # chunk cost more than the arithmetic); p itself where the residual is zero everywhere
         offs = tl.arange(0, BLOCK)
         has_q = at < K
         prow = T + r * st0 + at * st1
         qrow = Q + r * sq0 + tl.minimum(at, K - 1) * sq1
-        best_r = -1.0
-        best_p = -1.0
-        idx_r = 0
-        idx_p = 0
-        top = 0.0
+        best = tl.full([BLOCK], -1.0, tl.float32)
+        arg = tl.zeros([BLOCK], tl.int32)
         for start in range(0, V, BLOCK):
             m = start + offs < V
             p = tl.load(prow + start + offs, mask=m, other=0.0)
             q = tl.load(qrow + start + offs, mask=m & has_q, other=0.0)
             noise = tl.load(E + r * se + start + offs, mask=m, other=1.0)
-            res = tl.maximum(p - q, 0.0)
-            top = tl.maximum(top, tl.max(res, 0))
-            vr = tl.math.div_rn(res, noise)
-            vp = tl.math.div_rn(p, noise)
-            cr = tl.max(vr, 0)
-            cp = tl.max(vp, 0)
-            idx_r = tl.where(cr > best_r, start + tl.argmax(vr, 0), idx_r)  # strict: the first index on ties
-            idx_p = tl.where(cp > best_p, start + tl.argmax(vp, 0), idx_p)
-            best_r = tl.maximum(best_r, cr)
-            best_p = tl.maximum(best_p, cp)
+            val = tl.where(m, tl.math.div_rn(tl.maximum(p - q, 0.0), noise), -1.0)
+            upd = val > best  # strict: a lane's earlier index on ties
+            best = tl.where(upd, val, best)
+            arg = tl.where(upd, start + offs, arg)
+        top, idx = tl.reduce((best, arg), 0, _first_max)
+        if top <= 0.0:  # a zero residual (p == q there): p, never drawn from in practice
+            best = tl.full([BLOCK], -1.0, tl.float32)
+            arg = tl.zeros([BLOCK], tl.int32)
+            for start in range(0, V, BLOCK):
+                m = start + offs < V
+                p = tl.load(prow + start + offs, mask=m, other=0.0)
+                noise = tl.load(E + r * se + start + offs, mask=m, other=1.0)
+                val = tl.where(m, tl.math.div_rn(p, noise), -1.0)
+                upd = val > best
+                best = tl.where(upd, val, best)
+                arg = tl.where(upd, start + offs, arg)
+            top, idx = tl.reduce((best, arg), 0, _first_max)
         tl.store(ACC + r, (at + 1).to(tl.int64))
-        tl.store(TOK + r, tl.where(top > 0, idx_r, idx_p).to(tl.int64))
+        tl.store(TOK + r, idx.to(tl.int64))
 
     return graphctl_accept
 

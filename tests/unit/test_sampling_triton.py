@@ -85,12 +85,18 @@ for n, k, vocab in ((1, 1, 7), (3, 3, 33), (2, 4, 9000)):
         p = torch.softmax(torch.randn(n, k + 1, vocab, generator=gen) * 2, -1)
         q = p[:, :k].clone() if same else torch.softmax(torch.randn(n, k, vocab, generator=gen) * 2, -1)
         drafts = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).view(n, k)
+        if same:  # a draft neither law can draw, rejected where p == q: the residual is zero, p is raced
+            p[:, 0, 0] = 0.0
+            p[:, 0] /= p[:, 0].sum(-1, keepdim=True)
+            q[:, 0] = p[:, 0]
+            drafts[:, 0] = 0
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
         a = speculative_accept(p, q, drafts, torch.Generator().manual_seed(seed), n + 2)  # CPU: the reference
         g2 = torch.Generator().manual_seed(seed)
         u = torch.rand(n + 2, k, generator=g2)[:n]
         b = st.accept(p, q, drafts, u, noise((n + 2, vocab), g2, p.device))
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (n, k, vocab, same, a, b)
+        assert not same or bool((a[0] == 1).all()), "the zero-residual case was not reached"
 print("ok")
 """
 
@@ -172,8 +178,11 @@ def test_the_acceptance_and_race_kernels_draw_the_reference_s_tokens_on_cuda(gen
     for n, k, vocab in ((1, 3, 32000), (8, 3, 32000), (5, 2, 4099), (3, 1, 128256)):
         p = torch.softmax(torch.randn(n, k + 1, vocab, generator=gen) * 3, -1).cuda()
         q = torch.softmax(torch.randn(n, k, vocab, generator=gen) * 3, -1).cuda()
-        q[0] = p[0, :k]  # a request whose residual is zero: drawn from p
         drafts = torch.multinomial(q.reshape(-1, vocab), 1).view(n, k)
+        p[0, 0, 0] = 0.0  # request 0 drafted a token neither law can draw, rejected where p == q: zero residual
+        p[0, 0] /= p[0, 0].sum()
+        q[0, 0] = p[0, 0]
+        drafts[0, 0] = 0
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
         out = {}
         for choice in ("triton", "reference"):
