@@ -76,7 +76,7 @@ KNOBS: tuple[Knob, ...] = (
          "`reference` (gather the pages, attend under a mask). Other devices always run the reference."),
     Knob("sampling", "GRAPHCTL_SAMPLING", _parse_choice("auto", "triton", "reference"), "auto", "runtime",
          "Sampling's CUDA kernels: the filtering (temperature and top-p to probabilities, host settings, top-k "
-         "off, vocabularies up to 32,768; a draft step's race fused in) and speculative acceptance: `auto` "
+         "off, vocabularies up to 32,768), the race and speculative acceptance: `auto` "
          "(Triton, one program a row, where Triton imports and builds, else the reference), `triton` (an error "
          "without Triton) or `reference` (PyTorch: sort and scan, a dozen small kernels for the acceptance). "
          "Other devices, other settings and larger vocabularies always run the reference."),
