@@ -142,6 +142,9 @@ def noise(shape: tuple[int, ...] | torch.Size, generator: torch.Generator | None
 def race(probs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` [n, vocab] from the noise ``e`` [>= n, vocab] (:func:`noise`):
     ``argmax(p / e)``, an exact draw from ``p`` (on CUDA one Triton launch: ``GRAPHCTL_SAMPLING``)."""
+    if e.device != probs.device:
+        raise ValueError(f"race: noise on {e.device} for probabilities on {probs.device}: draw it on the same device "
+                         f"(noise((rows, vocab), generator, probs.device))")
     if e.dim() != 2 or e.shape[0] < probs.shape[0] or e.shape[-1] != probs.shape[-1]:
         raise ValueError(f"race: noise of shape {tuple(e.shape)} for probabilities of shape {tuple(probs.shape)}: "
                          f"expected [>= {probs.shape[0]}, {probs.shape[-1]}] (noise((rows, vocab), generator, device))")

@@ -93,6 +93,8 @@ def test_noise_of_the_wrong_shape_is_a_clear_error(gen):
         with pytest.raises(ValueError, match=r"race: noise of shape .* expected \[>= 3, 10\]"):
             race(p, bad)
     assert race(p, noise((5, 10), gen, p.device)).shape == (3,)  # more rows than needed: the first ones
+    with pytest.raises(ValueError, match="race: noise on meta for probabilities on cpu"):
+        race(p, torch.empty(3, 10, device="meta"))
 
 
 def test_sample_draws_from_the_distribution_and_is_seeded(gen):
