@@ -15,8 +15,11 @@ from an explicit ``torch.Generator`` (issue 34).
   target alone, whatever the draft (``tests/unit/test_sampling.py`` checks it statistically).
   With one-hot (greedy) ``p`` and ``q`` it is greedy verification exactly.
 
-Everything here is plain PyTorch: it is its own reference, runs on every device and records
-into CUDA graphs and the emulated recorder alike.
+The PyTorch code here is the reference: it runs on every device and records into CUDA graphs and
+the emulated recorder alike. On CUDA, Triton kernels (``ops/sampling_triton.py``, chosen by
+``GRAPHCTL_SAMPLING``) take the filtering with host settings, the race and the acceptance: one
+launch each, the same tokens from the same generator (the acceptance draws its uniforms and noise
+here, in the reference's order, and hands them to the kernel).
 """
 from __future__ import annotations
 
