@@ -128,9 +128,9 @@ def probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tenso
 def race(p: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     """``ops.sampling.race``: ``argmax(p / e)`` a row of float32 ``p`` [n, V] with noise ``e`` [>= n, V],
     in one launch (the acceptance kernel with no drafts: the bonus token's race)."""
-    n, vocab = p.shape
-    none = torch.empty((n, 0), dtype=torch.int64, device=p.device)
-    return accept(p.view(n, 1, vocab), p.view(n, 1, vocab)[:, :0], none, none, e)[1]
+    rows = p.unsqueeze(1)  # [n, 1, V]: a target row each, no drafts (any strides: accept() copies if it must)
+    none = torch.empty((p.shape[0], 0), dtype=torch.int64, device=p.device)
+    return accept(rows, rows[:, :0], none, none, e)[1]
 
 
 @triton.jit

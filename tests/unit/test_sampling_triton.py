@@ -79,6 +79,10 @@ for rows, vocab in ((3, 33), (2, 4099), (2, 32000)):
             assert torch.equal(full, fast), (rows, vocab, dtype, t, p)
             e = noise((rows + 1, vocab), gen, logits.device)
             assert torch.equal(st.race(fast, e), race(full, e)), (rows, vocab, dtype, t, p)  # race(): CPU reference
+# the race kernel takes rows of any strides (a view every other token here)
+wide = torch.softmax(torch.randn(4, 74, generator=gen), -1)[:, ::2]
+e = noise((5, 37), gen, wide.device)
+assert torch.equal(st.race(wide, e), race(wide, e))
 # the acceptance kernel draws what the reference draws from the same stream, q == p rows included
 for n, k, vocab in ((1, 1, 7), (3, 3, 33), (2, 4, 9000)):
     for same in (False, True):
