@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import CaptureError
 from graphctl.graphs.frames import user_frame
-from graphctl.graphs.journal import Journal, storage_bytes
+from graphctl.graphs.journal import Journal, arguments, storage_bytes
 from graphctl.graphs.randomness import RandomUse, random_use
 from graphctl.graphs.reach import storage_key
 from graphctl.state.interrupts import drop_mode
@@ -227,10 +227,8 @@ class WriteTracker(TorchDispatchMode):
         self.found[key] = SideEffect(path, func._schema.name, user_frame(), whole.numel())
 
     def _check_index(self, func, args: tuple, kwargs: dict, target: str) -> None:
-        for i, a in enumerate(func._schema.arguments):
-            if a.name not in ("index", "indices"):
-                continue
-            v = args[i] if i < len(args) else kwargs.get(a.name)
+        given = arguments(func, args, kwargs)
+        for v in (given.get("index"), given.get("indices")):
             for t in tree_flatten(v)[0]:
                 if isinstance(t, torch.Tensor) and (src := self.tainted.get(storage_key(t))) is not None:
                     self.hazards.setdefault((src, target), PaddingHazard(src, func._schema.name, user_frame(), target))

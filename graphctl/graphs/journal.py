@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Journal", "storage_bytes"]
+__all__ = ["Journal", "storage_bytes", "arguments"]
 
 
 def storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -40,14 +40,15 @@ _BY_INDICES = {"aten::index_put_", "aten::_index_put_impl_"}
 _SCATTER = {"aten::scatter_", "aten::scatter_add_", "aten::scatter_reduce_"}
 
 
-def _arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+def arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """An op call's arguments by their schema names (positional or keyword; absent ones None)."""
     return {a.name: (args[i] if i < len(args) else kwargs.get(a.name)) for i, a in enumerate(func._schema.arguments)}
 
 
 def _region(func: Any, args: tuple, kwargs: dict, written: torch.Tensor) -> tuple[Callable[[], object], int] | None:
     """How to put back what ``func`` is about to write into ``written``, and the bytes kept for it."""
     name = func._schema.name
-    a = _arguments(func, args, kwargs)
+    a = arguments(func, args, kwargs)
     target = a.get("self")
     if target is written and name in _BY_INDEX | _SCATTER:
         dim, index = a["dim"], a["index"].clone()
