@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from graphctl.ops.sampling import noise, probs_and_race, probs_from_logits, sample, speculative_accept
+from graphctl.ops.sampling import noise, probs_from_logits, race, sample, speculative_accept
 from graphctl.state import StateSpec, Swap
 
 __all__ = ["Sampling", "with_generators", "attach_generators", "sample_step", "sample_tokens", "accept_sampled",
@@ -43,8 +43,9 @@ class Sampling:
         return probs_from_logits(logits, self.temperature, self.top_k, self.top_p)
 
     def draw(self, logits: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A draft step's law and its token raced with the noise ``e`` (one kernel on CUDA)."""
-        return probs_and_race(logits, e, self.temperature, self.top_k, self.top_p)
+        """A draft step's law and its token raced with the noise ``e``."""
+        p = self.probs(logits)
+        return p, race(p, e)
 
 
 def with_generators(spec: StateSpec) -> StateSpec:

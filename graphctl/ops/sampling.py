@@ -27,7 +27,7 @@ import torch
 
 from graphctl.ops.triton_pick import TritonPick
 
-__all__ = ["probs_from_logits", "probs_and_race", "sample", "noise", "race", "speculative_accept"]
+__all__ = ["probs_from_logits", "sample", "noise", "race", "speculative_accept"]
 
 _Setting = float | int | torch.Tensor
 
@@ -95,8 +95,8 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
     return p
 
 
-# GRAPHCTL_SAMPLING's choice (ops/triton_pick.py): the kernels of probs_from_logits' host-settings case
-# (with probs_and_race's race fused) and of speculative_accept
+# GRAPHCTL_SAMPLING's choice (ops/triton_pick.py): the kernels of probs_from_logits' host-settings case,
+# of race and of speculative_accept
 PICK = TritonPick("sampling", "graphctl.ops.sampling_triton", "probs")
 ACCEPT = TritonPick("sampling", "graphctl.ops.sampling_triton", "accept")
 RACE = TritonPick("sampling", "graphctl.ops.sampling_triton", "race")
@@ -105,15 +105,6 @@ RACE = TritonPick("sampling", "graphctl.ops.sampling_triton", "race")
 def _not_filtered(*args: object) -> None:
     """A Triton kernel's stand-in where it cannot build: None, so the PyTorch code runs."""
     return None
-
-
-def probs_and_race(logits: torch.Tensor, e: torch.Tensor, temperature: _Setting = 1.0, top_k: _Setting = 0,
-                   top_p: _Setting = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(p, race(p, e))`` for ``p = probs_from_logits(logits, temperature, top_k, top_p)``: a draft
-    step's law and its draw (two launches on CUDA: the race is not fused into the filtering, whose
-    registers the row fills already)."""
-    p = probs_from_logits(logits, temperature, top_k, top_p)
-    return p, race(p, e)
 
 
 def _scale(temperature: _Setting, rows: int, like: torch.Tensor) -> torch.Tensor | float:

@@ -140,6 +140,26 @@ def _first_max(v1, i1, v2, i2):
     return tl.where(first, v1, v2), tl.where(first, i1, i2)
 
 
+@triton.jit
+def _race_row(prow, qrow, has_q, erow, V, BLOCK: tl.constexpr):
+    """(best value, its index) of ``max(0, p - q) / e`` over a row (q = 0 where not ``has_q``): each
+    lane keeps its best over the chunks, one reduction at the end (a reduction a chunk cost more than
+    the arithmetic)."""
+    offs = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], -1.0, tl.float32)
+    arg = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, V, BLOCK):
+        m = start + offs < V
+        p = tl.load(prow + start + offs, mask=m, other=0.0)
+        q = tl.load(qrow + start + offs, mask=m & has_q, other=0.0)
+        noise = tl.load(erow + start + offs, mask=m, other=1.0)
+        val = tl.where(m, tl.math.div_rn(tl.maximum(p - q, 0.0), noise), -1.0)
+        upd = val > best  # strict: a lane's earlier index on ties
+        best = tl.where(upd, val, best)
+        arg = tl.where(upd, start + offs, arg)
+    return tl.reduce((best, arg), 0, _first_max)
+
+
 @functools.cache
 def _accept() -> Any:
     @triton.jit
@@ -155,37 +175,14 @@ def _accept() -> Any:
             u = tl.load(U + r * su + j)
             going = going * (u * qd < pd).to(tl.int32)
             at += going
-        # race max(0, p - q) at the first rejection (q = 0 past the last draft: the bonus, from p); each
-        # lane keeps its best (value, index) over the chunks, one reduction at the end (a reduction a
-        # chunk cost more than the arithmetic); p itself where the residual is zero everywhere
-        offs = tl.arange(0, BLOCK)
+        # race max(0, p - q) at the first rejection (q = 0 past the last draft: the bonus, from p), and p
+        # itself where that residual is zero everywhere (p == q there: never drawn from in practice)
         has_q = at < K
         prow = T + r * st0 + at * st1
         qrow = Q + r * sq0 + tl.minimum(at, K - 1) * sq1
-        best = tl.full([BLOCK], -1.0, tl.float32)
-        arg = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, V, BLOCK):
-            m = start + offs < V
-            p = tl.load(prow + start + offs, mask=m, other=0.0)
-            q = tl.load(qrow + start + offs, mask=m & has_q, other=0.0)
-            noise = tl.load(E + r * se + start + offs, mask=m, other=1.0)
-            val = tl.where(m, tl.math.div_rn(tl.maximum(p - q, 0.0), noise), -1.0)
-            upd = val > best  # strict: a lane's earlier index on ties
-            best = tl.where(upd, val, best)
-            arg = tl.where(upd, start + offs, arg)
-        top, idx = tl.reduce((best, arg), 0, _first_max)
-        if top <= 0.0:  # a zero residual (p == q there): p, never drawn from in practice
-            best = tl.full([BLOCK], -1.0, tl.float32)
-            arg = tl.zeros([BLOCK], tl.int32)
-            for start in range(0, V, BLOCK):
-                m = start + offs < V
-                p = tl.load(prow + start + offs, mask=m, other=0.0)
-                noise = tl.load(E + r * se + start + offs, mask=m, other=1.0)
-                val = tl.where(m, tl.math.div_rn(p, noise), -1.0)
-                upd = val > best
-                best = tl.where(upd, val, best)
-                arg = tl.where(upd, start + offs, arg)
-            top, idx = tl.reduce((best, arg), 0, _first_max)
+        top, idx = _race_row(prow, qrow, has_q, E + r * se, V, BLOCK)
+        if top <= 0.0:
+            top, idx = _race_row(prow, qrow, False, E + r * se, V, BLOCK)
         tl.store(ACC + r, (at + 1).to(tl.int64))
         tl.store(TOK + r, idx.to(tl.int64))
 

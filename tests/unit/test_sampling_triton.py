@@ -105,28 +105,28 @@ print("ok")
 """
 
 
-def test_the_triton_filtering_equals_the_reference_in_triton_s_interpreter(gen):
-    # Regression: issue 34, sampling's sort-and-scan filtering cost 1.1-1.3x a greedy step; its one-kernel
-    # replacement must keep the same tokens (ties at the top-p boundary included), every dtype, odd vocabularies.
+def _interpret(script: str, gen, timeout: int) -> None:
+    """``script`` in a fresh process under Triton's interpreter (read when a kernel is first built), seeded
+    from ``gen``; it must print "ok" last."""
     pytest.importorskip("triton")
     tests = os.path.dirname(os.path.dirname(__file__))
     seed = str(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    res = subprocess.run([sys.executable, "-c", _CHECK, tests, seed], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", script, tests, seed], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().endswith("ok")
+
+
+def test_the_triton_filtering_equals_the_reference_in_triton_s_interpreter(gen):
+    # Regression: issue 34, sampling's sort-and-scan filtering cost 1.1-1.3x a greedy step; its one-kernel
+    # replacement must keep the same tokens (ties at the top-p boundary included), every dtype, odd vocabularies.
+    _interpret(_CHECK, gen, timeout=600)
 
 
 def test_the_fast_search_race_and_acceptance_kernels_equal_their_references_in_the_interpreter(gen):
     # Regression: issue 34, sampling cost 1.07x greedy: 16-bit logits are searched in 16 steps, the race and
     # the acceptance are one kernel each; none may change a token.
-    pytest.importorskip("triton")
-    tests = os.path.dirname(os.path.dirname(__file__))
-    seed = str(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    res = subprocess.run([sys.executable, "-c", _CHECK_FAST, tests, seed], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.strip().endswith("ok")
+    _interpret(_CHECK_FAST, gen, timeout=900)
 
 
 def test_settings_the_kernel_does_not_cover_run_the_reference(gen, monkeypatch):

@@ -28,7 +28,7 @@ from graphctl.graphs.compiled import is_compiled
 from graphctl.integrations.hf.attention import ATTENTION, PagedBatch, register
 from graphctl.models.mtp import EngineConfig, MTPEngine
 from graphctl.models.sampled import Sampling, attach_generators, with_generators
-from graphctl.ops.sampling import noise, sample
+from graphctl.ops.sampling import sample
 from graphctl.state import Registry, StateSpec, bind
 
 __all__ = ["HFEngine", "GenerateResult", "oracle_draft", "uses_paged_attention"]
@@ -248,9 +248,8 @@ class HFEngine(MTPEngine):
     def sample_decode_step(self, input_ids: torch.Tensor, meta: PagedMetadata, sampling: Sampling) -> torch.Tensor:
         """Plain decode, sampled: the target's next token for one token a request, drawn from the
         target's generator (noise for every row the engine holds: eager and padded graphs alike)."""
-        logits = self.run_layers(input_ids, self.target_layers)
-        e = noise((max(self.cfg.max_seqs, logits.shape[0]), logits.shape[1]), self.meta.generator, logits.device)
-        return sampling.draw(logits, e)[1]  # sample()'s draw, the race fused into the filtering on CUDA
+        return sample(sampling.probs(self.run_layers(input_ids, self.target_layers)), self.meta.generator,
+                      self.cfg.max_seqs)
 
     def prefill(self, prompts: Sequence[torch.Tensor], forward: Any = None,
                 sampling: Sampling | None = None) -> torch.Tensor:
