@@ -65,16 +65,23 @@ class KVCacheManager:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self._staged = torch.empty_like(self.block_ids)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def lanes(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(at, live)`` of a forward's ``slots``: where each token writes (the spare slot for a
+        :data:`PAD_SLOT` lane) and which lanes are live; one pair for every layer's :meth:`write`."""
+        live = slots >= 0
+        return torch.where(live, slots, self.num_blocks * self.block_size), live
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              lanes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Write one layer's K/V of each token at its slot; a :data:`PAD_SLOT` token writes the
         spare slot's own value back into it: a padded lane changes no byte of any cache (no
         other sequence's blocks, no spare block) and never collides with a live lane. The live
         lanes' values are the forward's; computed at the bucket's row count they may differ in
         the last bits from an eager run of the live rows alone (matmul rounding depends on the
-        row count on some CPUs)."""
+        row count on some CPUs). ``lanes``: :meth:`lanes` of ``slots``, made once a forward (two
+        launches a layer fewer)."""
         spare = self.num_blocks * self.block_size
-        live = slots >= 0
-        at = torch.where(live, slots, spare)
+        at, live = lanes if lanes is not None else self.lanes(slots)
         for cache, x in ((self.k[layer], k), (self.v[layer], v)):
             flat = cache.view(-1, x.shape[-1])
             flat.index_copy_(0, at, torch.where(live[:, None], x, flat[spare]))

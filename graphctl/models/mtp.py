@@ -129,13 +129,14 @@ class MTPEngine:
         pos = m.token_positions[:T]
         slots = m.slot_mapping[:T]
         mgr = m.kv_cache_manager
+        lanes = mgr.lanes(slots)
         key_slots = (m.block_table.long()[:, self._j // bs] * bs + self._j % bs)[req]  # [T, C]
         masked = self._j[None, :] > pos.clamp(min=0)[:, None]  # a padded request's -1: no row all -inf
         x = self.emb[tokens]
         for i, L in enumerate(layers):
             h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
             q, k, v = h @ L.wq, h @ L.wk, h @ L.wv
-            mgr.write(i, slots, k, v)  # padded lanes (PAD_SLOT) write nothing live
+            mgr.write(i, slots, k, v, lanes)  # padded lanes (PAD_SLOT) write nothing live
             kc, vc = mgr.k[i].view(-1, k.shape[-1]), mgr.v[i].view(-1, v.shape[-1])
             K, V = kc[key_slots], vc[key_slots]  # [T, C, H]
             scores = torch.einsum("th,tch->tc", q, K) / math.sqrt(q.shape[-1])

@@ -50,14 +50,16 @@ class PagedBatch:
     positions: torch.Tensor  # [T] int64 each token's position: it attends its row's keys 0..position
     rows: int
     q: int
+    lanes: tuple[torch.Tensor, torch.Tensor]  # KVCacheManager.lanes(slots): where each token writes, which live
     eager: bool = False  # attention as an @graphctl.eager region: a graphed forward is captured in pieces
 
     @staticmethod
     def build(meta: PagedMetadata, tokens: int, q: int, rows: int, eager: bool = False) -> PagedBatch:
         """The batch of ``tokens`` tokens laid out by ``meta`` now, ``q`` tokens a request at most,
         ``rows`` request rows (a bucket's padded rows included)."""
-        return PagedBatch(meta.kv_cache_manager, meta.slot_mapping[:tokens], meta.block_table[:rows],
-                          meta.req_idx_per_token[:tokens], meta.token_positions[:tokens], rows, q, eager)
+        mgr, slots = meta.kv_cache_manager, meta.slot_mapping[:tokens]
+        return PagedBatch(mgr, slots, meta.block_table[:rows], meta.req_idx_per_token[:tokens],
+                          meta.token_positions[:tokens], rows, q, mgr.lanes(slots), eager)
 
 
 def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -74,7 +76,7 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     layer = module.layer_idx
     k_tok = key[0].transpose(0, 1).reshape(T, kvh * d)
     v_tok = value[0].transpose(0, 1).reshape(T, kvh * d)
-    b.manager.write(layer, b.slots, k_tok, v_tok)  # first: the step's own keys are attended at their positions
+    b.manager.write(layer, b.slots, k_tok, v_tok, b.lanes)  # first: the step's own keys are attended at their positions
     scale = scaling if scaling is not None else d ** -0.5
     out = (_attend_eager if b.eager else _attend)(query[0].transpose(0, 1), b.manager.k[layer], b.manager.v[layer],
                                                   b.table, b.req, b.positions, scale)
