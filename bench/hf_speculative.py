@@ -25,7 +25,8 @@ of every path but (c) and (f) (use a ``tiny-*`` config). Decode tokens/s exclude
 (graphctl: ``generate``'s own decode timing; transformers: a run of ``--new`` tokens minus a run
 of 1), median of ``--reps`` runs.
 Targets: (d) >= (c); (e, oracle) >= 3 x (b) at bs 1; (e) per step <= 1.05 x (f). Also per row: the
-time to first token against transformers' eager prefill, the host gap per step, the prefill graphed at
+time to first token against transformers' eager prefill (``ttft_over_a``: the target's; ``ttft_over_a_both``:
+target and draft, the work graphctl's prefill does), the host gap per step, the prefill graphed at
 the batch's token bucket (whole and piecewise), and (e) sampled at temperature 0.8, top-p 0.9
 (``e{k}_sampling_overhead``: its ms a step over the greedy step's with PyTorch's filtering,
 ``GRAPHCTL_SAMPLING=reference``, target <= 1.05; ``_triton``: with sampling's Triton filtering,
@@ -293,6 +294,15 @@ def run(args, head: dict) -> list[dict]:
             row["a_hf_eager_tps"], row["a_hf_prefill_ms"] = _hf_decode_tps(hf, bs, args.new, args.reps)
             if "ttft_ms" in row:  # time to first token: graphctl's one ragged pass vs transformers' eager
                 row["ttft_over_a"] = row["ttft_ms"] / row["a_hf_prefill_ms"]
+
+                def draft_prefill() -> None:  # the same prompts through the draft: what speculation prefills too
+                    with torch.no_grad():
+                        drf(input_ids=batch, attention_mask=torch.ones_like(batch), logits_to_keep=1)
+
+                draft_prefill()
+                row["a_hf_draft_prefill_ms"] = _step_ms({"draft": draft_prefill}, args.reps)["draft"]
+                # graphctl's prefill fills both caches: against transformers' prefill of both models
+                row["ttft_over_a_both"] = row["ttft_ms"] / (row["a_hf_prefill_ms"] + row["a_hf_draft_prefill_ms"])
         if bs == 1 and "b" in args.paths:
             try:
                 row["b_hf_assisted_tps"], _ = _hf_decode_tps(lambda n: hf(n, assistant_model=drf), bs, args.new,
