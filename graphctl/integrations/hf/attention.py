@@ -50,16 +50,20 @@ class PagedBatch:
     positions: torch.Tensor  # [T] int64 each token's position: it attends its row's keys 0..position
     rows: int
     q: int
-    lanes: tuple[torch.Tensor, torch.Tensor]  # KVCacheManager.lanes(slots): where each token writes, which live
+    # KVCacheManager.lanes(slots), made once a forward; None: each layer's write makes its own (a compiled
+    # model fuses them into the write, where lanes made outside it would be two launches more)
+    lanes: tuple[torch.Tensor, torch.Tensor] | None
     eager: bool = False  # attention as an @graphctl.eager region: a graphed forward is captured in pieces
 
     @staticmethod
-    def build(meta: PagedMetadata, tokens: int, q: int, rows: int, eager: bool = False) -> PagedBatch:
+    def build(meta: PagedMetadata, tokens: int, q: int, rows: int, eager: bool = False,
+              lanes: bool = True) -> PagedBatch:
         """The batch of ``tokens`` tokens laid out by ``meta`` now, ``q`` tokens a request at most,
-        ``rows`` request rows (a bucket's padded rows included)."""
+        ``rows`` request rows (a bucket's padded rows included); ``lanes``: the write lanes made
+        here, once (uncompiled models), or by each layer (compiled ones)."""
         mgr, slots = meta.kv_cache_manager, meta.slot_mapping[:tokens]
         return PagedBatch(mgr, slots, meta.block_table[:rows], meta.req_idx_per_token[:tokens],
-                          meta.token_positions[:tokens], rows, q, mgr.lanes(slots), eager)
+                          meta.token_positions[:tokens], rows, q, mgr.lanes(slots) if lanes else None, eager)
 
 
 def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -164,7 +164,8 @@ class HFEngine(MTPEngine):
         token indices to compute logits for (transformers' ``logits_to_keep``; [len(keep), vocab]).
         ``eager_attention``: attention as ``@graphctl.eager`` regions (piecewise graphs)."""
         T, q = tokens.shape[0], per_request
-        batch = PagedBatch.build(self.meta, T, q, rows or -(-T // q), eager=eager_attention)
+        batch = PagedBatch.build(self.meta, T, q, rows or -(-T // q), eager=eager_attention,
+                                 lanes=not is_compiled(vars(model).get("forward")))
         pos = self.meta.token_positions[:T].clamp(min=0)
         with torch.no_grad():
             out = model(input_ids=tokens[None], position_ids=pos[None], use_cache=False, graphctl_batch=batch,
