@@ -57,7 +57,10 @@ def test_graphed_decode_bf16_within_the_tolerance_policy(gen):
                 break  # a near-tie: the policy stops comparing this request here
             assert a == b, (i, tokens.tolist(), want)
             compared += 1
-    assert compared >= NEW * 4, compared  # the policy must not excuse most of the run
+    # The policy must not excuse the whole run. Regression: the floor was NEW * 4 (48 of 96 tokens), which the
+    # reference's own near-ties miss for 13 of 30 seeds (26-72 tokens compared, transformers' bf16 logits alone on
+    # a CPU): a flaky bound on transformers, not a check of graphctl's tokens, which are compared above.
+    assert compared >= NEW, compared
 
 
 @pytest.mark.parametrize("mode", ["unrolled", "per_step", "device_loop"])
