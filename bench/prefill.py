@@ -26,6 +26,7 @@ import sys
 import time
 
 import torch
+from hf_speculative import _hf_models  # bench/ is this script's directory: on sys.path when run
 
 from graphctl.integrations.hf import HFEngine
 from graphctl.integrations.hf.configs import hf_config
@@ -45,27 +46,12 @@ def _wall_ms(fn, reps: int, wait: bool = True) -> float:
     return statistics.median(out)
 
 
-def _hf_models(eng: HFEngine, name: str):
-    """transformers' target (SDPA) and 2-layer draft with the engine's weights."""
-    from transformers import AutoModelForCausalLM
-
-    dtype = eng.target_layers.dtype
-    with torch.device("cuda"):
-        tgt = AutoModelForCausalLM.from_config(hf_config(name), attn_implementation="sdpa", dtype=dtype)
-        dcfg = hf_config(name)
-        dcfg.num_hidden_layers = 2
-        drf = AutoModelForCausalLM.from_config(dcfg, attn_implementation="sdpa", dtype=dtype)
-    tgt.load_state_dict(eng.target_layers.state_dict())
-    drf.load_state_dict(eng.draft_layers.state_dict())
-    return tgt.eval(), drf.eval()
-
-
 def run(a: argparse.Namespace) -> dict:
     eng = HFEngine.build(hf_config(a.config), draft_len=3, max_seqs=a.prompts, max_context=a.tokens + 64,
                          block_size=16, device="cuda", dtype=torch.bfloat16, seed=0)
     g = torch.Generator().manual_seed(0)
     ps = [torch.randint(0, eng.cfg.vocab, (a.tokens,), generator=g) for _ in range(a.prompts)]
-    tgt, drf = _hf_models(eng, a.config)
+    tgt, drf = _hf_models(eng, a.config, "cuda")  # transformers' models with the engine's weights
     batch = torch.stack(ps).cuda()
     ones = torch.ones_like(batch)
 
