@@ -6,7 +6,11 @@ weights for every path; ``--prompts`` prompts of ``--tokens`` tokens. Side by si
 each the median of ``--reps`` synchronized wall times:
 
   eager     ``HFEngine.prefill``: one ragged pass of every prompt through the target and the draft,
-            their K/V into both paged caches (what ``generate`` runs by default);
+            their K/V into both paged caches (what ``generate`` runs by default), each layer's
+            K/V write and attention two Triton launches called directly;
+  eager_ops the same pass through the ops (``torch.ops.graphctl.paged_attention`` and the
+            manager's indexed writes: what the eager pass ran before, and what a tracked warmup
+            and a compiled model still run);
   graphed   the same pass graphed at its token bucket (``eng.graphed_prefill([tokens])``);
   hf        transformers' eager forward of the target over the padded batch (SDPA,
             ``logits_to_keep=1``), the draft's the same, and ``generate(max_new_tokens=1)``.
@@ -30,6 +34,7 @@ from hf_speculative import _hf_models  # bench/ is this script's directory: on s
 
 from graphctl.integrations.hf import HFEngine
 from graphctl.integrations.hf.configs import hf_config
+from graphctl.ops import attention as attention_ops
 
 
 def _wall_ms(fn, reps: int, wait: bool = True) -> float:
@@ -44,6 +49,18 @@ def _wall_ms(fn, reps: int, wait: bool = True) -> float:
         out.append(1e3 * (time.perf_counter() - t0))
         torch.cuda.synchronize()
     return statistics.median(out)
+
+
+def _through_ops(fn):
+    """``fn`` with the direct kernels off: every layer through the ops."""
+    def call() -> None:
+        saved = attention_ops.direct
+        attention_ops.direct = lambda t: False
+        try:
+            fn()
+        finally:
+            attention_ops.direct = saved
+    return call
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -67,7 +84,8 @@ def run(a: argparse.Namespace) -> dict:
                          pad_token_id=0)
 
     pre = eng.graphed_prefill([min(a.prompts * a.tokens, eng.meta.max_tokens)], backend="cuda")
-    paths = {"eager": lambda: eng.prefill(ps), "graphed": lambda: eng.prefill(ps, forward=pre),
+    paths = {"eager": lambda: eng.prefill(ps), "eager_ops": _through_ops(lambda: eng.prefill(ps)),
+             "graphed": lambda: eng.prefill(ps, forward=pre),
              "hf_target": forward(tgt), "hf_draft": forward(drf), "hf_generate": generate}
     for fn in paths.values():  # warm up (and capture the graphed pass)
         fn()
@@ -75,7 +93,8 @@ def run(a: argparse.Namespace) -> dict:
     ms = {k: _wall_ms(fn, a.reps) for k, fn in paths.items()}
     row = {f"{k}_ms": v for k, v in ms.items()}
     row["eager_host_ms"] = _wall_ms(paths["eager"], a.reps, wait=False)
-    for k in ("eager", "graphed"):
+    row["eager_ops_host_ms"] = _wall_ms(paths["eager_ops"], a.reps, wait=False)
+    for k in ("eager", "eager_ops", "graphed"):
         row[f"{k}_over_hf_generate"] = ms[k] / ms["hf_generate"]
         row[f"{k}_over_hf_both"] = ms[k] / (ms["hf_target"] + ms["hf_draft"])
     if a.profile:

@@ -21,6 +21,13 @@ kernel (:mod:`graphctl.ops.attention_triton`; ``GRAPHCTL_PAGED_ATTENTION`` picks
 allocates but the output, nothing reads a device value on the host, and the Triton grid is
 ``(T, KVH)``: fixed for a fixed ``T``, so the op records into a CUDA graph and replays with the
 lengths and tables the step wrote.
+
+The step's K/V writes have a kernel too, :func:`write_kv` (reference :func:`write_reference`),
+for the eager path: where nothing must see the ops (:func:`direct`: no ``torch.compile`` trace,
+no dispatch mode such as graphctl's write tracker, no CUDA-graph capture), the HF attention
+function launches both kernels directly, skipping the dispatcher and a dozen small PyTorch ops a
+layer; everywhere else the ops run as ever (the tracker journals the writes by rows, a capture
+records kernels its warmups built).
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import torch
 
 from graphctl.ops.triton_pick import TritonPick
 
-__all__ = ["paged_attention", "reference", "kernel_for"]
+__all__ = ["paged_attention", "reference", "kernel_for", "direct", "write_kv", "write_reference", "attend"]
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -106,8 +113,9 @@ def cuda_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     return PICK.run(kernel, reference, q, k_cache, v_cache, block_table, req_idx, positions, scale)
 
 
-# GRAPHCTL_PAGED_ATTENTION's choice (ops/triton_pick.py)
+# GRAPHCTL_PAGED_ATTENTION's choice (ops/triton_pick.py), for both kernels
 PICK = TritonPick("paged_attention", "graphctl.ops.attention_triton", "paged_attention")
+WRITE = TritonPick("paged_attention", "graphctl.ops.attention_triton", "write_kv")
 
 
 def kernel_for(q: torch.Tensor):  # noqa: ANN201 - one of two callables of the op's signature
@@ -115,3 +123,55 @@ def kernel_for(q: torch.Tensor):  # noqa: ANN201 - one of two callables of the o
     ``triton`` use the Triton kernel where Triton imports (``triton`` raises where it does not),
     ``reference`` the pure-PyTorch one."""
     return PICK.kernel(q.device) or reference
+
+
+# --------------------------------------------------------------------------- the eager path
+
+
+def write_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+    """Token ``t``'s ``k[t]``, ``v[t]`` (``[T, KVH, D]``) into slot ``slots[t]`` of the ``[P, BS,
+    KVH * D]`` caches, in the caches' dtype; a slot outside ``[0, P * BS)`` (``PAD_SLOT``) writes
+    nothing. No two live tokens may share a slot. Reads which lanes are live on the host (a
+    reference: never in a capture)."""
+    W = k_cache.shape[-1]
+    s = slots.long()
+    live = (s >= 0) & (s < k_cache.shape[0] * k_cache.shape[1])
+    at = s[live]
+    k_cache.view(-1, W)[at] = k.reshape(-1, W)[live].to(k_cache.dtype)
+    v_cache.view(-1, W)[at] = v.reshape(-1, W)[live].to(v_cache.dtype)
+
+
+def direct(t: torch.Tensor) -> bool:
+    """Whether :func:`write_kv` and :func:`attend` may launch their Triton kernels on ``t``'s
+    device directly: a plain CUDA tensor, Triton picked, and nothing that must see the ops: no
+    ``torch.compile`` trace (dynamo traces the op), no dispatch mode (graphctl's write tracker
+    journals writes by rows, the emulated recorder records ops), no CUDA-graph capture (a kernel
+    variant built there would load a module, which a capture refuses; captures record the ops,
+    whose kernels the warmups built)."""
+    return (type(t) is torch.Tensor and t.device.type == "cuda" and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_mode() == 0  # no public spelling; stable since torch 1.13
+            and not torch.cuda.is_current_stream_capturing()
+            and PICK.kernel(t.device) is not None and WRITE.kernel(t.device) is not None)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """:func:`write_reference`'s write in one Triton launch, for callers that checked :func:`direct`
+    (once a forward: it holds for all its layers); under ``auto``, a Triton that cannot build the
+    kernel leaves the reference for good."""
+    kernel = WRITE.kernel(k.device)
+    if kernel is None:
+        write_reference(k_cache, v_cache, slots, k, v)
+    else:
+        WRITE.run(kernel, write_reference, k_cache, v_cache, slots, k, v)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+           req_idx: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """The op's result without the dispatcher, for callers that checked :func:`direct`."""
+    _check(q, k_cache, v_cache, block_table, req_idx, positions)
+    kernel = kernel_for(q)
+    if kernel is reference:
+        return reference(q, k_cache, v_cache, block_table, req_idx, positions, scale)
+    return PICK.run(kernel, reference, q, k_cache, v_cache, block_table, req_idx, positions, scale)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["paged_attention", "Launch", "splits_for"]
+__all__ = ["paged_attention", "write_kv", "Launch", "splits_for"]
 
 
 @functools.cache
@@ -118,6 +118,45 @@ def _kernel() -> Any:
         tl.store(OUT + th * D + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < D)
 
     return graphctl_paged_attention, graphctl_paged_attention_combine
+
+
+@functools.cache
+def _write_kernel() -> Any:
+    """The K/V write's jitted kernel (see :func:`write_kv`), built on first use."""
+
+    # strides and counts unspecialised: one build serves every token count (a prompt's and a step's)
+    @triton.jit(do_not_specialize=["sk_t", "sk_h", "sv_t", "sv_h", "n_slots"])
+    def graphctl_kv_write(K, V, KC, VC, SLOTS, sk_t, sk_h, sv_t, sv_h, n_slots, KVH: tl.constexpr,
+                          D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        ok = (slot >= 0) & (slot < n_slots)  # a padded lane (or a slot past the pool) writes nothing
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_h[:, None] < KVH) & (offs_d[None, :] < D) & ok
+        dst = tl.where(ok, slot, 0) * (KVH * D) + offs_h[:, None] * D + offs_d[None, :]
+        k = tl.load(K + t * sk_t + offs_h[:, None] * sk_h + offs_d[None, :], mask=mask)
+        tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
+        v = tl.load(V + t * sv_t + offs_h[:, None] * sv_h + offs_d[None, :], mask=mask)
+        tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)
+
+    return graphctl_kv_write
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """One launch writing token ``t``'s ``k[t]`` / ``v[t]`` (``[T, KVH, D]``, any strides but the
+    last) into slot ``slots[t]`` of the ``[P, BS, KVH * D]`` caches (``graphctl.ops.attention.
+    write_reference``'s semantics): one program a token; no reshaped copy of the keys, no
+    gather of the spare slot, no separate lanes."""
+    T, kvh, D = k.shape
+    if T == 0:
+        return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    _write_kernel()[(T,)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                          k_cache.shape[0] * k_cache.shape[1], KVH=kvh, D=D,
+                          BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(D))
 
 
 @dataclasses.dataclass(frozen=True)

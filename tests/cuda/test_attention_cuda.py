@@ -65,3 +65,48 @@ def test_the_reference_knob_runs_the_reference_on_cuda(gen):
     with knobs.scope(paged_attention="reference"):
         assert kernel_for(case[0]) is reference
         torch.testing.assert_close(torch.ops.graphctl.paged_attention(*case), reference(*case))
+
+
+@pytest.mark.parametrize("kdt,cdt", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                     (torch.float16, torch.float16), (torch.float32, torch.float32)])
+@pytest.mark.parametrize("T,kvh,D,P,BS", [(7, 3, 12, 5, 4), (1, 8, 64, 9, 16), (1000, 8, 128, 70, 16)])
+def test_the_write_kernel_equals_the_reference_on_cuda(gen, kdt, cdt, T, kvh, D, P, BS):
+    # Issue 32: the eager path's K/V write, one launch, from the HF layer's strided [T, KVH, D] views.
+    from graphctl.ops.attention import write_reference
+    from graphctl.ops.attention_triton import write_kv
+
+    k = torch.randn(kvh, T, D, generator=gen).to(kdt).cuda().transpose(0, 1)
+    v = torch.randn(kvh, T, D, generator=gen).to(kdt).cuda().transpose(0, 1)
+    slots = torch.randperm(P * BS, generator=gen)[:T].cuda()
+    if T > 2:
+        slots[1], slots[-1] = -1, P * BS + 3  # a padded lane, a slot past the pool: both write nothing
+    caches = [torch.randn(P, BS, kvh * D, generator=gen).to(cdt).cuda() for _ in range(2)]
+    want = [c.clone() for c in caches]
+    write_reference(*want, slots, k, v)
+    write_kv(*caches, slots, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(caches, want))
+
+
+def test_the_direct_path_holds_only_where_nothing_watches_the_ops(gen):
+    # Issue 32: the kernels are launched directly only with no dispatch mode (graphctl's write tracker journals the
+    # writes by rows), no capture (a kernel variant built there would load a module), and Triton picked.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from graphctl.ops.attention import direct
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    t = torch.ones(3, device="cuda")
+    assert direct(t)
+    assert not direct(t.cpu())
+    with Watch():
+        assert not direct(t)
+    with knobs.scope(paged_attention="reference"):
+        assert not direct(t)
+    seen = []
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        seen.append(direct(t))
+    assert seen == [False]

@@ -124,3 +124,41 @@ def test_one_runner_serves_draft_len_1_3_7_on_cuda_graphs(gen):
     rep = step.report()
     assert {b.variant for b in rep.buckets} == {"k=1", "k=3", "k=7"} and step.fallbacks == {}
     assert len({v.runner.options.pool.handle for v in step.variants}) == 1
+
+
+def test_the_eager_prefill_s_direct_kernels_equal_the_ops_bitwise(gen, monkeypatch):
+    # Issue 32: the eager path launches the write and attention kernels directly (the dispatcher and a dozen small
+    # ops a layer skipped); logits and both caches must be the ops' to the bit, and the path must be the one taken.
+    from graphctl.integrations.hf import attention as hf_attention
+    from graphctl.ops import attention as ops
+
+    seed = seed_of(gen)
+    eng = engine("tiny-llama", 3, seed, device="cuda", dtype=torch.bfloat16)
+    ps = prompts(5, gen)
+    taken = []
+    build = hf_attention.PagedBatch.build
+    monkeypatch.setattr(hf_attention.PagedBatch, "build", staticmethod(
+        lambda *a, **k: taken.append(build(*a, **k)) or taken[-1]))
+    mgrs = (eng.meta.kv_cache_manager, eng.meta.draft_kv_cache_manager)
+    runs = []
+    for direct in (True, False):
+        for m in mgrs:  # fresh random caches: the runs must write every slot they read
+            for t in (*m.k, *m.v):
+                t.normal_()
+        if not direct:
+            monkeypatch.setattr(ops, "direct", lambda t: False)
+        logits = []
+
+        def step(tokens, meta, logits=logits):
+            logits.append(eng.prefill_step(tokens, meta))
+            return logits[-1]
+
+        first = eng.prefill(ps, forward=step)
+        torch.cuda.synchronize()
+        assert all(b.direct is direct for b in taken[-2:]), "the eager prefill took the other path"
+        live = eng.meta.slot_mapping[:sum(len(p) for p in ps)].long()
+        runs.append((first.clone(), logits[0][:len(ps)].clone(),
+                     [torch.cat([t.view(-1, t.shape[-1])[live] for t in (*m.k, *m.v)]) for m in mgrs]))
+    (a_first, a_logits, a_kv), (b_first, b_logits, b_kv) = runs
+    assert torch.equal(a_first, b_first) and torch.equal(a_logits, b_logits)
+    assert all(torch.equal(x, y) for x, y in zip(a_kv, b_kv))

@@ -97,6 +97,25 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16
             err = (got.float() - want.float()).abs().max().item()
             assert err <= tol, (dtype, shape, splits, err)
             worst[str(dtype)] = max(worst.get(str(dtype), 0.0), err)
+# the eager path's K/V write: keys as the HF layer hands them ([T, KVH, D] strided views), caches in another dtype
+from graphctl.ops.attention import write_reference
+from graphctl.ops.attention_triton import write_kv
+for kdt, cdt in ((torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float16)):
+    for T, kvh, D, P, BS in ((7, 3, 12, 5, 4), (1, 1, 8, 2, 16), (33, 2, 64, 9, 16)):
+        k = torch.randn(kvh, T, D, generator=gen).to(kdt).transpose(0, 1)
+        v = torch.randn(kvh, T, D, generator=gen).to(kdt).transpose(0, 1)
+        slots = torch.randperm(P * BS, generator=gen)[:T].to(torch.int64)
+        if T > 2:
+            slots[1], slots[-1] = -1, P * BS + 3  # a padded lane, a slot past the pool: both write nothing
+        caches = [torch.randn(P, BS, kvh * D, generator=gen).to(cdt) for _ in range(2)]
+        want = [c.clone() for c in caches]
+        write_reference(*want, slots, k, v)
+        write_kv(*caches, slots, k, v)
+        if kdt == cdt:
+            assert all(torch.equal(a, b) for a, b in zip(caches, want)), (kdt, cdt, T, kvh, D)
+        else:  # the interpreter casts to bfloat16 by truncation, a GPU to nearest (tests/cuda: bitwise)
+            for a, b in zip(caches, want):
+                torch.testing.assert_close(a, b, rtol=2**-7, atol=0)
 print(worst)
 """
 
@@ -124,6 +143,27 @@ def test_the_op_traces_under_compile_and_equals_eager(gen):
     compiled = torch.compile(attend, backend="aot_eager", fullgraph=True, dynamic=False)
     torch.testing.assert_close(compiled(*case[:-1]), reference(*case), rtol=1e-6, atol=1e-6)
     torch.library.opcheck(torch.ops.graphctl.paged_attention.default, case)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_the_write_reference_equals_a_per_token_loop(gen, cache_dtype):
+    # Issue 32: the eager path's K/V write (one Triton launch on CUDA) against its meaning, token by token.
+    from graphctl.ops.attention import write_reference
+
+    T, kvh, D, P, BS = 9, 3, 12, 4, 5
+    k = torch.randn(kvh, T, D, generator=gen).transpose(0, 1)  # the HF layer's layout: a strided view
+    v = torch.randn(kvh, T, D, generator=gen).transpose(0, 1)
+    slots = torch.randperm(P * BS, generator=gen)[:T]
+    slots[2], slots[5] = -1, P * BS  # a padded lane and a slot past the pool
+    caches = [torch.randn(P, BS, kvh * D, generator=gen).to(cache_dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    for t in range(T):
+        if 0 <= int(slots[t]) < P * BS:
+            for w, x in zip(want, (k, v)):
+                w.view(-1, kvh * D)[int(slots[t])] = x[t].reshape(-1).to(cache_dtype)
+    write_reference(*caches, slots, k, v)
+    assert all(torch.equal(c, w) for c, w in zip(caches, want))
+    assert not torch.equal(caches[0].view(-1, kvh * D)[int(slots[0])], k[0].new_zeros(kvh * D).to(cache_dtype))
 
 
 @pytest.mark.parametrize("bad", ["q_rank", "heads", "cache_shape", "float_table", "req_len"])

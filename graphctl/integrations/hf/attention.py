@@ -20,7 +20,10 @@ Math: ``torch.ops.graphctl.paged_attention`` (``graphctl/ops/attention.py``): ea
 its request's keys ``0 .. position`` through ``block_table``, grouped-query heads, pages read in
 place by a Triton kernel on CUDA (the pure-PyTorch reference, which gathers the pages and runs
 under a mask, elsewhere and under ``GRAPHCTL_PAGED_ATTENTION=reference``). Shapes are fixed by
-the token count: capturable, no host sync, and a compiled model traces the op whole.
+the token count: capturable, no host sync, and a compiled model traces the op whole. Run eagerly
+with nothing watching the ops (``ops.attention.direct``: an uncompiled model's prefill, or its
+steps outside a graph), a layer's write and attention are two Triton launches, called directly:
+the eager path is host-bound, and the ops cost a dozen PyTorch calls and the dispatcher a layer.
 """
 from __future__ import annotations
 
@@ -29,9 +32,9 @@ from typing import Any
 
 import torch
 
-import graphctl.ops.attention  # noqa: F401 - registers torch.ops.graphctl.paged_attention
 from graphctl.families.paged import KVCacheManager, PagedMetadata
 from graphctl.graphs.pieces import eager
+from graphctl.ops import attention as ops  # registers torch.ops.graphctl.paged_attention
 
 __all__ = ["ATTENTION", "PagedBatch", "paged_attention", "register"]
 
@@ -54,16 +57,20 @@ class PagedBatch:
     # model fuses them into the write, where lanes made outside it would be two launches more)
     lanes: tuple[torch.Tensor, torch.Tensor] | None
     eager: bool = False  # attention as an @graphctl.eager region: a graphed forward is captured in pieces
+    direct: bool = False  # the write and attention kernels launched directly (ops.attention.direct)
 
     @staticmethod
     def build(meta: PagedMetadata, tokens: int, q: int, rows: int, eager: bool = False,
               lanes: bool = True) -> PagedBatch:
         """The batch of ``tokens`` tokens laid out by ``meta`` now, ``q`` tokens a request at most,
         ``rows`` request rows (a bucket's padded rows included); ``lanes``: the write lanes made
-        here, once (uncompiled models), or by each layer (compiled ones)."""
+        here, once (uncompiled models), or by each layer (compiled ones); an uncompiled model run
+        with nothing watching its ops (``ops.attention.direct``) needs none: its kernels write."""
         mgr, slots = meta.kv_cache_manager, meta.slot_mapping[:tokens]
+        direct = lanes and not eager and ops.direct(slots)  # decided once: it holds for every layer
         return PagedBatch(mgr, slots, meta.block_table[:rows], meta.req_idx_per_token[:tokens],
-                          meta.token_positions[:tokens], rows, q, mgr.lanes(slots) if lanes else None, eager)
+                          meta.token_positions[:tokens], rows, q,
+                          mgr.lanes(slots) if lanes and not direct else None, eager, direct)
 
 
 def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -78,10 +85,15 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     H, T, d = query.shape[1:]
     kvh = key.shape[1]
     layer = module.layer_idx
+    scale = scaling if scaling is not None else d ** -0.5
+    if b.direct:  # [T, heads, d] views: the kernels read the strides, nothing is copied
+        k_cache, v_cache = b.manager.k[layer], b.manager.v[layer]
+        ops.write_kv(k_cache, v_cache, b.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        out = ops.attend(query[0].transpose(0, 1), k_cache, v_cache, b.table, b.req, b.positions, scale)
+        return out[None], None
     k_tok = key[0].transpose(0, 1).reshape(T, kvh * d)
     v_tok = value[0].transpose(0, 1).reshape(T, kvh * d)
     b.manager.write(layer, b.slots, k_tok, v_tok, b.lanes)  # first: the step's own keys are attended at their positions
-    scale = scaling if scaling is not None else d ** -0.5
     out = (_attend_eager if b.eager else _attend)(query[0].transpose(0, 1), b.manager.k[layer], b.manager.v[layer],
                                                   b.table, b.req, b.positions, scale)
     return out[None], None
