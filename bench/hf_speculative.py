@@ -20,7 +20,9 @@ head) proposes exactly what it would choose: every draft is accepted at full cos
 Where the time goes: the graphed step of (e) under the profiler (a graph's kernels are reported
 one by one), device time by kernel kind (switch, attention, GEMMs, gathers, other), kernels a
 step and the ten costliest, next to the eager step's wall time. ``--compile`` compiles both
-models (inductor, no cudagraphs) before graphctl captures them. ``--device cpu`` is a smoke run
+models (inductor, no cudagraphs) before graphctl captures them; ``--emulate-casts`` with it rounds
+Inductor's bf16 intermediates as eager does, so the oracle's target and draft logits stay equal
+(fused, the 16- and 2-layer graphs round differently and near-ties go the other way). ``--device cpu`` is a smoke run
 of every path but (c) and (f) (use a ``tiny-*`` config). Decode tokens/s excludes prefill
 (graphctl: ``generate``'s own decode timing; transformers: a run of ``--new`` tokens minus a run
 of 1), median of ``--reps`` runs.
@@ -33,7 +35,7 @@ the batch's token bucket (whole and piecewise), and (e) sampled at temperature 0
 ``GRAPHCTL_SAMPLING=auto``, the default).
 
     python bench/hf_speculative.py [--sizes 1 8 32] [--k 3 7] [--prompt 128] [--new 256] [--reps 5]
-        [--paths graphctl a b c] [--compile] [--json out.json]
+        [--paths graphctl a b c] [--compile [--emulate-casts]] [--json out.json]
     python bench/hf_speculative.py --device cpu --config tiny-llama --sizes 2 --prompt 8 --new 6 --reps 1
 """
 from __future__ import annotations
@@ -266,6 +268,11 @@ def run(args, head: dict) -> list[dict]:
     target, draft = base.target_layers, base.draft_layers  # one set of weights for every engine
     tgt, drf = _hf_models(base, args.config, dev)
     if args.compile:  # inductor-fused kernels inside graphctl's graphs (no cudagraphs of its own)
+        # the oracle's contract is bitwise-equal target and draft logits; fused, Inductor keeps bf16
+        # intermediates in float32 where eager rounds them, differently in the 16- and 2-layer graphs
+        import torch._inductor.config as inductor_config
+
+        inductor_config.emulate_precision_casts = args.emulate_casts
         for m in (target, draft):
             m.forward = torch.compile(m.forward, dynamic=False)
     vocab = target.config.vocab_size
@@ -347,6 +354,9 @@ def main() -> None:
                     help="which to run: graphctl's (d, e, f), transformers' eager (a), assisted (b), compiled (c)")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile (inductor, no cudagraphs) both models before graphctl captures them")
+    ap.add_argument("--emulate-casts", action="store_true",
+                    help="with --compile: Inductor rounds bf16 intermediates as eager does "
+                         "(emulate_precision_casts), so the oracle draft's logits stay the target's")
     ap.add_argument("--json")
     args = ap.parse_args()
     import transformers
@@ -355,6 +365,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_properties(0).name if args.device == "cuda" else "cpu"
     head = {"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
             "config": args.config, "prompt": args.prompt, "new": args.new, "reps": args.reps, "compile": args.compile,
+            "emulate_casts": args.emulate_casts,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(json.dumps(head), flush=True)
     run(args, head)

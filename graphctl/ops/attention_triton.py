@@ -14,6 +14,11 @@ Split-K: where ``T x KVH`` programs would leave SMs idle (small batches, long co
 so a graph's launch is fixed), each writing its unnormalised sum with its running max and sum,
 combined afterwards by a second kernel with the weights ``exp(m_s - max m)``.
 
+:func:`write_kv` is the eager path's K/V write (``graphctl.ops.attention.direct``): one program a
+token copies its keys and values from the layer's strided ``[T, KVH, D]`` views into its slot (a
+padded lane, or a slot past the pool, writes nothing), strides unspecialised so one build serves
+every token count.
+
 Importing this module imports Triton (``graphctl.ops.attention`` imports it lazily, and falls back
 to the reference where Triton is missing). ``TRITON_INTERPRET=1`` (Triton's own variable, read when
 the kernel is first built) runs it on CPU tensors through Triton's interpreter: the CPU tests
