@@ -48,7 +48,9 @@ class Options:
     ``"error"`` (a batch no graph can serve raises ``ReplayError``) or ``"eager"`` (it runs the
     forward eagerly, logged and counted). ``pad_axes``: state axis -> rows per batch item for
     ``state.pad`` (default ``{"seq": 1, "token": <first input's per_item>}``). ``warmup_iters``:
-    eager runs per bucket before capture. ``progress``: a progress bar (``None``: when stderr is
+    eager runs at the largest bucket before capture (one at each smaller bucket: the largest
+    bucket's runs did the process-wide first-call work; a compiled forward runs at least two a
+    bucket, ``graphs/passes.py``). ``progress``: a progress bar (``None``: when stderr is
     a terminal). ``params``: the model tensors the forward reads, for the audit and the path
     check (an ``nn.Module``, a name -> tensor mapping or an iterable). ``group``: a
     ``torch.distributed`` process group; before each call the ranks agree on the bucket (the

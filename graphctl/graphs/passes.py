@@ -4,7 +4,10 @@
 
 1. **warmup**, every bucket, largest first: each bucket starts from the caller's state, loads
    the example's first ``min(n, bucket)`` items (padding the state for the bucket), and runs
-   the forward eagerly ``warmup_iters`` times under the mutable-buffer guard. Every eager run
+   the forward eagerly under the mutable-buffer guard: ``warmup_iters`` times at the largest
+   bucket, once (``min(warmup_iters, 1)``) at each smaller one (what a second run would do
+   that the first did not is process-wide, and the largest bucket's runs did it); a compiled
+   forward ``max(warmup_iters, 2)`` times at every bucket (its tracked run is eager). Every eager run
    goes under the side-effect tracker (``graphs/effects.py``): in full (writes, reads, padding
    taint) the largest bucket's first run and the first run of each bucket holding padded rows,
    the others for writes only (the tracker's cost paid once per forward where padding cannot
@@ -151,7 +154,10 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
             stats: dict[int, dict[str, int]]) -> tuple[dict[int, BucketGraph], tuple[Region, ...]]:
     be, sites = p.cap.backend, first.sites
     watched = first.watched()
-    # the tracked run is eager by design (compiled.py): a compiled forward gets one compiling run more
+    # the tracked run is eager by design (compiled.py): a compiled forward gets one compiling run more, in every
+    # bucket (dynamo compiles each shape). An eager forward runs warmup_iters times at the largest bucket, first:
+    # process-wide first-call work and every workspace's high-water mark are behind it; a smaller bucket's first
+    # run does what is new to its shapes (a kernel variant built, a cache keyed by them filled), so one suffices
     runs = max(p.opts.warmup_iters, 2) if sites or compiled.is_compiled(p.fn) else p.opts.warmup_iters
     order = sorted(p.opts.buckets.sizes, reverse=True)
     graphs: dict[int, BucketGraph] = {}
@@ -175,7 +181,7 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
             dynamo = compiled.Counters.now()
             t_warm = time.perf_counter()
             untracked = None  # a compiled forward's compiled runs: no tracker can watch them (compiled.py)
-            for it in range(runs):
+            for it in range(runs if b == order[0] or sites or compiled.is_compiled(p.fn) else min(runs, 1)):
                 try:
                     with p.cap.guard, p.lasting or contextlib.nullcontext():
                         if it == 0 or not (sites or compiled.is_compiled(p.fn)):

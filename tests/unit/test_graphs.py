@@ -90,6 +90,24 @@ def test_mutable_buffers_do_not_accumulate_across_warmup_and_capture(gen):
     assert torch.equal(toy.meta.kv_lens, before + 1), "a replay must keep what the graph writes"
 
 
+@pytest.mark.parametrize("iters,want", [(2, {8: 3, 4: 2, 2: 2}), (3, {8: 4, 4: 2, 2: 2}), (0, {8: 1, 4: 1, 2: 1})])
+def test_warmup_iters_run_at_the_largest_bucket_and_once_at_each_smaller(gen, iters, want):
+    # Issue 32: every bucket ran warmup_iters eager runs (tracked): a smaller bucket's second run did nothing its
+    # first and the largest bucket's had not, and cost a tracked forward a bucket of capture time.
+    toy = Toy("cpu", gen)
+    runs: dict[int, int] = {}
+
+    def fwd(tokens, positions, meta):
+        runs[tokens.shape[0] // 3] = runs.get(tokens.shape[0] // 3, 0) + 1
+        return tokens * 2
+
+    f = graphctl.graphed(fwd, buckets=[2, 4, 8], state=toy.state, warmup_iters=iters, backend="emulated",
+                         inputs=[StaticInput("tokens", per_item=3), StaticInput("positions", per_item=3)],
+                         progress=False)
+    f.capture_all(*toy.batch(5), toy.meta)
+    assert runs == want  # warmups and the capture's run (the emulated recorder executes the forward)
+
+
 def test_each_bucket_is_captured_from_the_callers_state(gen):
     # Regression: a smaller bucket's example padding zeroed live rows that a larger bucket's capture then saw.
     toy = Toy("cpu", gen)
