@@ -160,6 +160,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     """:func:`write_reference`'s write in one Triton launch, for callers that checked :func:`direct`
     (once a forward: it holds for all its layers); under ``auto``, a Triton that cannot build the
     kernel leaves the reference for good."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape \
+            or k.dim() != 3 or k.shape != v.shape or k.shape[1] * k.shape[2] != k_cache.shape[-1] \
+            or slots.shape != (k.shape[0],):
+        raise ValueError(f"write_kv: k and v must be one [T, KVH, D] shape with KVH * D = the contiguous caches' "
+                         f"last dim, slots [T]; got k {tuple(k.shape)}, v {tuple(v.shape)}, caches "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}, slots {tuple(slots.shape)}")
     kernel = WRITE.kernel(k.device)
     if kernel is None:
         write_reference(k_cache, v_cache, slots, k, v)

@@ -163,6 +163,16 @@ def test_the_write_reference_equals_a_per_token_loop(gen, cache_dtype):
                 w.view(-1, kvh * D)[int(slots[t])] = x[t].reshape(-1).to(cache_dtype)
     write_reference(*caches, slots, k, v)
     assert all(torch.equal(c, w) for c, w in zip(caches, want))
+    from graphctl.ops.attention import write_kv
+
+    again = [torch.randn(P, BS, kvh * D, generator=gen).to(cache_dtype) for _ in range(2)]
+    write_kv(*again, slots, k, v)  # on a CPU: the reference, behind the same checks
+    assert all(torch.equal(a.view(-1, kvh * D)[int(s)], c.view(-1, kvh * D)[int(s)])
+               for a, c in zip(again, caches) for s in slots if 0 <= int(s) < P * BS)
+    with pytest.raises(ValueError, match="KVH \\* D"):
+        write_kv(again[0], again[1], slots, k[:, :2], v[:, :2])
+    with pytest.raises(ValueError, match="contiguous"):
+        write_kv(again[0].transpose(0, 1), again[1].transpose(0, 1), slots, k, v)
     assert not torch.equal(caches[0].view(-1, kvh * D)[int(slots[0])], k[0].new_zeros(kvh * D).to(cache_dtype))
 
 
