@@ -150,7 +150,7 @@ def direct(t: torch.Tensor) -> bool:
     variant built there would load a module, which a capture refuses; captures record the ops,
     whose kernels the warmups built)."""
     return (type(t) is torch.Tensor and t.device.type == "cuda" and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_mode() == 0  # no public spelling; stable since torch 1.13
+            and torch._C._len_torch_dispatch_stack() == 0  # no public spelling (torch 2.1 on)
             and not torch.cuda.is_current_stream_capturing()
             and PICK.kernel(t.device) is not None and WRITE.kernel(t.device) is not None)
 
