@@ -149,10 +149,14 @@ def direct(t: torch.Tensor) -> bool:
     journals writes by rows, the emulated recorder records ops), no CUDA-graph capture (a kernel
     variant built there would load a module, which a capture refuses; captures record the ops,
     whose kernels the warmups built)."""
-    return (type(t) is torch.Tensor and t.device.type == "cuda" and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0  # no public spelling (torch 2.1 on)
+    return (type(t) is torch.Tensor and t.device.type == "cuda" and unwatched()
             and not torch.cuda.is_current_stream_capturing()
             and PICK.kernel(t.device) is not None and WRITE.kernel(t.device) is not None)
+
+
+def unwatched() -> bool:
+    """No ``torch.compile`` trace and no dispatch mode on this thread (:func:`direct`'s device-free half)."""
+    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0  # no public spelling
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,

@@ -176,6 +176,31 @@ def test_the_write_reference_equals_a_per_token_loop(gen, cache_dtype):
     assert not torch.equal(caches[0].view(-1, kvh * D)[int(slots[0])], k[0].new_zeros(kvh * D).to(cache_dtype))
 
 
+def test_the_direct_path_sees_dispatch_modes_and_compile_traces():
+    # Issue 32: the eager path launches its kernels directly only where nothing watches the ops; the predicate's
+    # torch internals ran on CUDA only, where a misspelt one (torch._C._len_torch_dispatch_mode) would have raised.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from graphctl.ops.attention import direct, unwatched
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert unwatched()
+    with Watch():
+        assert not unwatched()
+    seen = []
+
+    def traced(x):
+        seen.append(unwatched())
+        return x + 1
+
+    torch.compile(traced, backend="eager", fullgraph=True)(torch.ones(2))
+    assert seen == [False]
+    assert not direct(torch.ones(2))  # a CPU tensor: the reference, through the ops
+
+
 @pytest.mark.parametrize("bad", ["q_rank", "heads", "cache_shape", "float_table", "req_len"])
 def test_bad_input_is_refused_by_name(gen, bad):
     q, k, v, table, req, pos, scale = _case(gen, torch.float32, H=4, KVH=2, D=8, BS=4, B=3, R=3, q_per_row=2)
