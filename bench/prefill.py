@@ -8,7 +8,7 @@ each the median of ``--reps`` synchronized wall times:
   eager     ``HFEngine.prefill``: one ragged pass of every prompt through the target and the draft,
             their K/V into both paged caches (what ``generate`` runs by default), each layer's
             K/V write and attention two Triton launches called directly;
-  eager_ops the same pass through the ops (``torch.ops.graphctl.paged_attention`` and the
+  eager_ops the same pass through the ops (``GRAPHCTL_EAGER_KERNELS=0``) (``torch.ops.graphctl.paged_attention`` and the
             manager's indexed writes: what the eager pass ran before, and what a tracked warmup
             and a compiled model still run);
   graphed   the same pass graphed at its token bucket (``eng.graphed_prefill([tokens])``);
@@ -32,9 +32,9 @@ import time
 import torch
 from hf_speculative import _hf_models  # bench/ is this script's directory: on sys.path when run
 
+from graphctl import knobs
 from graphctl.integrations.hf import HFEngine
 from graphctl.integrations.hf.configs import hf_config
-from graphctl.ops import attention as attention_ops
 
 
 def _wall_ms(fn, reps: int, wait: bool = True) -> float:
@@ -52,14 +52,10 @@ def _wall_ms(fn, reps: int, wait: bool = True) -> float:
 
 
 def _through_ops(fn):
-    """``fn`` with the direct kernels off: every layer through the ops."""
+    """``fn`` with the direct kernels off (``GRAPHCTL_EAGER_KERNELS=0``): every layer through the ops."""
     def call() -> None:
-        saved = attention_ops.direct
-        attention_ops.direct = lambda t: False
-        try:
+        with knobs.scope(eager_kernels=False):
             fn()
-        finally:
-            attention_ops.direct = saved
     return call
 
 

@@ -74,6 +74,11 @@ KNOBS: tuple[Knob, ...] = (
          "The CUDA kernel of `graphctl::paged_attention` (the HF engine's attention): `auto` (the Triton kernel "
          "where Triton imports, else the pure-PyTorch reference), `triton` (an error without Triton) or "
          "`reference` (gather the pages, attend under a mask). Other devices always run the reference."),
+    Knob("eager_kernels", "GRAPHCTL_EAGER_KERNELS", _parse_bool, True, "runtime",
+         "An uncompiled HF model run eagerly with nothing watching its ops (no dispatch mode, no compile trace, "
+         "no capture: the default prefill, eager steps) launches each layer's K/V write and paged attention as "
+         "two Triton kernels directly, skipping the dispatcher and a dozen small ops a layer; `0` runs them "
+         "through the ops, as warmups, captures and compiled models always do."),
     Knob("sampling", "GRAPHCTL_SAMPLING", _parse_choice("auto", "triton", "reference"), "auto", "runtime",
          "Sampling's CUDA kernels: the filtering (temperature and top-p to probabilities, host settings, top-k "
          "off, vocabularies up to 32,768), the race and speculative acceptance: `auto` "

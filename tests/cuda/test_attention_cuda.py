@@ -105,6 +105,8 @@ def test_the_direct_path_holds_only_where_nothing_watches_the_ops(gen):
         assert not direct(t)
     with knobs.scope(paged_attention="reference"):
         assert not direct(t)
+    with knobs.scope(eager_kernels=False):
+        assert not direct(t)
     seen = []
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -130,7 +130,6 @@ def test_the_eager_prefill_s_direct_kernels_equal_the_ops_bitwise(gen, monkeypat
     # Issue 32: the eager path launches the write and attention kernels directly (the dispatcher and a dozen small
     # ops a layer skipped); logits and both caches must be the ops' to the bit, and the path must be the one taken.
     from graphctl.integrations.hf import attention as hf_attention
-    from graphctl.ops import attention as ops
 
     seed = seed_of(gen)
     eng = engine("tiny-llama", 3, seed, device="cuda", dtype=torch.bfloat16)
@@ -145,15 +144,14 @@ def test_the_eager_prefill_s_direct_kernels_equal_the_ops_bitwise(gen, monkeypat
         for m in mgrs:  # fresh random caches: the runs must write every slot they read
             for t in (*m.k, *m.v):
                 t.normal_()
-        if not direct:
-            monkeypatch.setattr(ops, "direct", lambda t: False)
         logits = []
 
         def step(tokens, meta, logits=logits):
             logits.append(eng.prefill_step(tokens, meta))
             return logits[-1]
 
-        first = eng.prefill(ps, forward=step)
+        with graphctl.knobs.scope(eager_kernels=direct):
+            first = eng.prefill(ps, forward=step)
         torch.cuda.synchronize()
         assert all(b.direct is direct for b in taken[-2:]), "the eager prefill took the other path"
         live = eng.meta.slot_mapping[:sum(len(p) for p in ps)].long()
