@@ -314,3 +314,41 @@ def test_seeded_sampling_gives_the_same_tokens_eager_and_graphed(name, k, mode, 
     assert head.report().random_state == ()  # the declared generators only
     with pytest.raises(ValueError, match="top_p"):
         eng.generate(prompts, 2, temperature=0.8, top_p=0.0)
+
+
+def test_the_direct_eager_path_writes_and_attends_as_the_ops_do(gen, monkeypatch):
+    # Issue 32: the eager path's direct launches (CUDA only) are wired through the HF layer's views, its layer index
+    # and the manager bound under the draft switch; here they run their references, forced on, against the ops.
+    from graphctl.integrations.hf import attention as hf_attention
+    from graphctl.ops import attention as ops
+
+    eng = hf.engine("tiny-llama", 3, hf.seed_of(gen))
+    ps = hf.prompts(5, gen)
+    mgrs = (eng.meta.kv_cache_manager, eng.meta.draft_kv_cache_manager)
+    taken, build = [], hf_attention.PagedBatch.build
+    monkeypatch.setattr(hf_attention.PagedBatch, "build", staticmethod(
+        lambda *a, **k: taken.append(build(*a, **k)) or taken[-1]))
+    runs = []
+    for direct in (True, False):
+        monkeypatch.setattr(ops, "direct", lambda t, on=direct: on)
+        for m in mgrs:  # fresh random caches: each run must write every slot compared
+            for t in (*m.k, *m.v):
+                t.normal_(generator=gen)
+        logits: list[torch.Tensor] = []
+
+        def step(tokens, meta, logits=logits):
+            logits.append(eng.prefill_step(tokens, meta).clone())
+            return logits[-1]
+
+        first = eng.prefill(ps, forward=step)
+        assert [b.direct for b in taken[-2:]] == [direct, direct]
+        n = sum(len(p) for p in ps)
+        live = [eng.meta.slot_mapping[:n].long().clone()]
+        with eng.state.switch("draft"):  # the draft writes its own pages
+            live.append(eng.meta.slot_mapping[:n].long().clone())
+        runs.append((first, logits[0][:len(ps)], [torch.stack([t.view(-1, t.shape[-1])[s] for t in (*m.k, *m.v)])
+                                                  for m, s in zip(mgrs, live)]))
+    (a_first, a_logits, a_kv), (b_first, b_logits, b_kv) = runs
+    assert torch.equal(a_first, b_first) and torch.equal(a_logits, b_logits)
+    assert all(torch.equal(x, y) for x, y in zip(a_kv, b_kv))
+    assert torch.equal(a_kv[0][:2], a_kv[1][:2])  # the oracle draft's layers are the target's first two: same keys
