@@ -36,7 +36,8 @@ import torch
 from graphctl.knobs import knobs
 from graphctl.ops.triton_pick import TritonPick
 
-__all__ = ["paged_attention", "reference", "kernel_for", "direct", "write_kv", "write_reference", "attend"]
+__all__ = ["paged_attention", "reference", "kernel_for", "direct", "unwatched", "write_kv",
+           "write_reference", "attend"]
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -146,11 +147,10 @@ def write_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.T
 def direct(t: torch.Tensor) -> bool:
     """Whether :func:`write_kv` and :func:`attend` may launch their Triton kernels on ``t``'s
     device directly: a plain CUDA tensor, ``GRAPHCTL_EAGER_KERNELS`` on, Triton picked, and
-    nothing that must see the ops: no
-    ``torch.compile`` trace (dynamo traces the op), no dispatch mode (graphctl's write tracker
-    journals writes by rows, the emulated recorder records ops), no CUDA-graph capture (a kernel
-    variant built there would load a module, which a capture refuses; captures record the ops,
-    whose kernels the warmups built)."""
+    nothing that must see the ops: no ``torch.compile`` trace (dynamo traces the op), no dispatch
+    mode (graphctl's write tracker journals writes by rows, the emulated recorder records ops), no
+    CUDA-graph capture (a kernel variant built there would load a module, which a capture refuses;
+    captures record the ops, whose kernels the warmups built)."""
     return (type(t) is torch.Tensor and t.device.type == "cuda" and knobs.eager_kernels and unwatched()
             and not torch.cuda.is_current_stream_capturing()
             and PICK.kernel(t.device) is not None and WRITE.kernel(t.device) is not None)
