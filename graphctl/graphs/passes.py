@@ -158,14 +158,15 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
     # bucket (dynamo compiles each shape). An eager forward runs warmup_iters times at the largest bucket, first:
     # process-wide first-call work and every workspace's high-water mark are behind it; a smaller bucket's first
     # run does what is new to its shapes (a kernel variant built, a cache keyed by them filled), so one suffices
-    runs = max(p.opts.warmup_iters, 2) if sites or compiled.is_compiled(p.fn) else p.opts.warmup_iters
+    compiled_fn = bool(sites) or compiled.is_compiled(p.fn)  # compiled code anywhere in the forward
+    runs = max(p.opts.warmup_iters, 2) if compiled_fn else p.opts.warmup_iters
     order = sorted(p.opts.buckets.sizes, reverse=True)
     graphs: dict[int, BucketGraph] = {}
     # Persistent buffers (KV-cache pools): where every warmup is tracked (an eager forward) each one's writes are
     # undone by the rows they touched (graphs/journal.py), and a capture that executes gets a whole copy; a
     # compiled forward's untracked runs get whole copies around every run, as mutable buffers do (cap.guard)
     lasting = _lasting(p)
-    journaled = {} if sites or compiled.is_compiled(p.fn) else {storage_key(t): t for t in lasting.values()}
+    journaled = {} if compiled_fn else {storage_key(t): t for t in lasting.values()}
     if lasting and not journaled:
         p.lasting = Snapshot(list(lasting.values()))
     met = pieces.calls()
@@ -181,10 +182,10 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
             dynamo = compiled.Counters.now()
             t_warm = time.perf_counter()
             untracked = None  # a compiled forward's compiled runs: no tracker can watch them (compiled.py)
-            for it in range(runs if b == order[0] or sites or compiled.is_compiled(p.fn) else min(runs, 1)):
+            for it in range(runs if b == order[0] or compiled_fn else min(runs, 1)):
                 try:
                     with p.cap.guard, p.lasting or contextlib.nullcontext():
-                        if it == 0 or not (sites or compiled.is_compiled(p.fn)):
+                        if it == 0 or not compiled_fn:
                             # in full (writes, reads, padding taint): the forward's first run, and the first
                             # of each bucket with padded rows (only they can index a write with a pad);
                             # every other eager run for its writes (lean): a write may start on any run
