@@ -108,11 +108,7 @@ def cuda_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
                 req_idx: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
     """The op on CUDA: the kernel ``kernel_for`` picks; under ``auto``, a Triton that fails to build
     it on its first launch leaves the reference for good (said once in the log)."""
-    _check(q, k_cache, v_cache, block_table, req_idx, positions)
-    kernel = kernel_for(q)
-    if kernel is reference:
-        return reference(q, k_cache, v_cache, block_table, req_idx, positions, scale)
-    return PICK.run(kernel, reference, q, k_cache, v_cache, block_table, req_idx, positions, scale)
+    return attend(q, k_cache, v_cache, block_table, req_idx, positions, scale)
 
 
 # GRAPHCTL_PAGED_ATTENTION's choice (ops/triton_pick.py), for both kernels
@@ -181,7 +177,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
            req_idx: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """The op's result without the dispatcher, for callers that checked :func:`direct`."""
+    """The op's CUDA path (what :func:`cuda_kernel` runs behind the dispatcher), callable without
+    it by callers that checked :func:`direct`."""
     _check(q, k_cache, v_cache, block_table, req_idx, positions)
     kernel = kernel_for(q)
     if kernel is reference:
