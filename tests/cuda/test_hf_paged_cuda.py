@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 import graphctl  # noqa: E402
 from graphctl import StaticInput  # noqa: E402
 from graphctl.models import graphed_step  # noqa: E402
-from support.hf import assert_oracle, engine, prompts, reference, reference_model, seed_of  # noqa: E402
+from support.hf import assert_oracle, engine, prefill_and_caches, prompts, reference, reference_model, seed_of  # noqa: E402
 
 NEW = 12
 BF16_MARGIN = 2 ** -6  # a few bf16 ulps of the top logit
@@ -131,35 +131,16 @@ def test_the_eager_prefill_s_direct_kernels_equal_the_ops_bitwise(gen, monkeypat
     # ops a layer skipped); logits and both caches must be the ops' to the bit, and the path must be the one taken.
     from graphctl.integrations.hf import attention as hf_attention
 
-    seed = seed_of(gen)
-    eng = engine("tiny-llama", 3, seed, device="cuda", dtype=torch.bfloat16)
+    eng = engine("tiny-llama", 3, seed_of(gen), device="cuda", dtype=torch.bfloat16)
     ps = prompts(5, gen)
-    taken = []
-    build = hf_attention.PagedBatch.build
+    taken, build = [], hf_attention.PagedBatch.build
     monkeypatch.setattr(hf_attention.PagedBatch, "build", staticmethod(
         lambda *a, **k: taken.append(build(*a, **k)) or taken[-1]))
-    mgrs = (eng.meta.kv_cache_manager, eng.meta.draft_kv_cache_manager)
     runs = []
     for direct in (True, False):
-        for m in mgrs:  # fresh random caches: the runs must write every slot they read
-            for t in (*m.k, *m.v):
-                t.normal_()
-        logits = []
-
-        def step(tokens, meta, logits=logits):
-            logits.append(eng.prefill_step(tokens, meta))
-            return logits[-1]
-
         with graphctl.knobs.scope(eager_kernels=direct):
-            first = eng.prefill(ps, forward=step)
-        torch.cuda.synchronize()
+            runs.append(prefill_and_caches(eng, ps, gen))
         assert all(b.direct is direct for b in taken[-2:]), "the eager prefill took the other path"
-        n = sum(len(p) for p in ps)
-        live = [eng.meta.slot_mapping[:n].long().clone()]
-        with eng.state.switch("draft"):  # the draft writes its own pages: the slots its switch lays out
-            live.append(eng.meta.slot_mapping[:n].long().clone())
-        runs.append((first.clone(), logits[0][:len(ps)].clone(),
-                     [torch.cat([t.view(-1, t.shape[-1])[s] for t in (*m.k, *m.v)]) for m, s in zip(mgrs, live)]))
     (a_first, a_logits, a_kv), (b_first, b_logits, b_kv) = runs
     assert torch.equal(a_first, b_first) and torch.equal(a_logits, b_logits)
     assert all(torch.equal(x, y) for x, y in zip(a_kv, b_kv))

@@ -60,3 +60,27 @@ def assert_oracle(name: str, k: int, mode: str, gen: torch.Generator, *, backend
         got = eng.generate(prompts(bs, gen), 2 * (k + 1) + 1, forward=step)
         for i, a in enumerate(got.accepted[1:], 1):
             assert torch.equal(a, torch.full_like(a, k + 1)), (bs, i, a.tolist())
+
+
+def prefill_and_caches(eng: HFEngine, ps, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """One eager prefill of ``ps`` into freshly randomised caches (each run must write every slot
+    read back): the first tokens, the first pass's logits at the requests' rows, and each cache's
+    K/V (all layers, stacked) at the slots its model wrote: the target's, then the draft's, which
+    writes its own pages (the slots its switch lays out)."""
+    mgrs = (eng.meta.kv_cache_manager, eng.meta.draft_kv_cache_manager)
+    for m in mgrs:
+        for t in (*m.k, *m.v):
+            t.normal_(generator=gen if t.device.type == "cpu" else None)
+    logits: list[torch.Tensor] = []
+
+    def step(tokens, meta):
+        logits.append(eng.prefill_step(tokens, meta).clone())
+        return logits[-1]
+
+    first = eng.prefill(ps, forward=step)
+    n = sum(len(p) for p in ps)
+    live = [eng.meta.slot_mapping[:n].long().clone()]
+    with eng.state.switch("draft"):
+        live.append(eng.meta.slot_mapping[:n].long().clone())
+    kv = [torch.stack([t.view(-1, t.shape[-1])[s] for t in (*m.k, *m.v)]) for m, s in zip(mgrs, live)]
+    return first.clone(), logits[0][:len(ps)], kv

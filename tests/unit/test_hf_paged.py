@@ -324,30 +324,14 @@ def test_the_direct_eager_path_writes_and_attends_as_the_ops_do(gen, monkeypatch
 
     eng = hf.engine("tiny-llama", 3, hf.seed_of(gen))
     ps = hf.prompts(5, gen)
-    mgrs = (eng.meta.kv_cache_manager, eng.meta.draft_kv_cache_manager)
     taken, build = [], hf_attention.PagedBatch.build
     monkeypatch.setattr(hf_attention.PagedBatch, "build", staticmethod(
         lambda *a, **k: taken.append(build(*a, **k)) or taken[-1]))
     runs = []
     for direct in (True, False):
         monkeypatch.setattr(ops, "direct", lambda t, on=direct: on)
-        for m in mgrs:  # fresh random caches: each run must write every slot compared
-            for t in (*m.k, *m.v):
-                t.normal_(generator=gen)
-        logits: list[torch.Tensor] = []
-
-        def step(tokens, meta, logits=logits):
-            logits.append(eng.prefill_step(tokens, meta).clone())
-            return logits[-1]
-
-        first = eng.prefill(ps, forward=step)
+        runs.append(hf.prefill_and_caches(eng, ps, gen))
         assert [b.direct for b in taken[-2:]] == [direct, direct]
-        n = sum(len(p) for p in ps)
-        live = [eng.meta.slot_mapping[:n].long().clone()]
-        with eng.state.switch("draft"):  # the draft writes its own pages
-            live.append(eng.meta.slot_mapping[:n].long().clone())
-        runs.append((first, logits[0][:len(ps)], [torch.stack([t.view(-1, t.shape[-1])[s] for t in (*m.k, *m.v)])
-                                                  for m, s in zip(mgrs, live)]))
     (a_first, a_logits, a_kv), (b_first, b_logits, b_kv) = runs
     assert torch.equal(a_first, b_first) and torch.equal(a_logits, b_logits)
     assert all(torch.equal(x, y) for x, y in zip(a_kv, b_kv))
