@@ -8,9 +8,9 @@ each the median of ``--reps`` synchronized wall times:
   eager     ``HFEngine.prefill``: one ragged pass of every prompt through the target and the draft,
             their K/V into both paged caches (what ``generate`` runs by default), each layer's
             K/V write and attention two Triton launches called directly;
-  eager_ops the same pass through the ops (``GRAPHCTL_EAGER_KERNELS=0``) (``torch.ops.graphctl.paged_attention`` and the
-            manager's indexed writes: what the eager pass ran before, and what a tracked warmup
-            and a compiled model still run);
+  eager_ops the same pass through the ops (``GRAPHCTL_EAGER_KERNELS=0``:
+            ``torch.ops.graphctl.paged_attention`` and the manager's indexed writes): what the
+            eager pass ran before, and what a tracked warmup and a compiled model still run;
   graphed   the same pass graphed at its token bucket (``eng.graphed_prefill([tokens])``);
   hf        transformers' eager forward of the target over the padded batch (SDPA,
             ``logits_to_keep=1``), the draft's the same, and ``generate(max_new_tokens=1)``.
