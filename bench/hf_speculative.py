@@ -23,9 +23,9 @@ step and the ten costliest, next to the eager step's wall time. ``--compile`` co
 models (inductor, no cudagraphs) before graphctl captures them; ``--emulate-casts`` with it rounds
 Inductor's bf16 intermediates as eager does, so the oracle's target and draft logits stay equal
 (fused, the 16- and 2-layer graphs round differently and near-ties go the other way).
-``--device cpu`` is a smoke run of every path but (c) and (f) (use a ``tiny-*`` config). Decode tokens/s excludes prefill
-(graphctl: ``generate``'s own decode timing; transformers: a run of ``--new`` tokens minus a run
-of 1), median of ``--reps`` runs.
+``--device cpu`` is a smoke run of every path but (c) and (f) (use a ``tiny-*`` config). Decode
+tokens/s excludes prefill (graphctl: ``generate``'s own decode timing; transformers: a run of
+``--new`` tokens minus a run of 1), median of ``--reps`` runs.
 Targets: (d) >= (c); (e, oracle) >= 3 x (b) at bs 1; (e) per step <= 1.05 x (f). Also per row: the
 time to first token against transformers' eager prefill (``ttft_over_a``: the target's; ``ttft_over_a_both``:
 target and draft, the work graphctl's prefill does), the host gap per step, the prefill graphed at
