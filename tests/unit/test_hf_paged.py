@@ -150,6 +150,8 @@ def test_models_without_paged_attention_are_refused():
     ([torch.tensor([[1, 2]])], 4, TypeError, "prompt 0: expected a 1-D integer tensor"),
     ([torch.tensor([1]), torch.tensor([], dtype=torch.int64)], 4, ValueError, "prompt 1 is empty"),
     ([torch.tensor([1, 500])], 4, ValueError, r"token ids must be in \[0, 128\)"),
+    ([torch.tensor([1, 2]), torch.tensor([3, -1]), torch.tensor([200])], 4, ValueError,
+     r"prompt 1: token ids must be in \[0, 128\), found \[-1, 3\]"),
     ([torch.tensor([1])] * 9, 4, ValueError, "max_seqs=8"),
     ([torch.tensor([1])], 0, ValueError, "max_new_tokens"),
     ([torch.tensor([1])], 60, ValueError, "max_context=64 too small"),

@@ -242,9 +242,15 @@ class HFEngine(MTPEngine):
                                 f"{' ' + str(p.dtype) if isinstance(p, torch.Tensor) else ''}")
             if p.numel() == 0:
                 raise ValueError(f"prompt {i} is empty: every request needs at least one token")
-            lo, hi = int(p.min()), int(p.max())
-            if lo < 0 or hi >= self.cfg.vocab:
-                raise ValueError(f"prompt {i}: token ids must be in [0, {self.cfg.vocab}), found [{lo}, {hi}]")
+        # every prompt's bounds in one host read a device: a read per prompt waits for the GPU 2n times
+        by_device: dict[torch.device, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_device.setdefault(p.device, []).append(i)
+        for rows in by_device.values():
+            bounds = torch.stack([torch.stack(torch.aminmax(prompts[i])) for i in rows]).tolist()
+            for i, (lo, hi) in zip(rows, bounds):
+                if lo < 0 or hi >= self.cfg.vocab:
+                    raise ValueError(f"prompt {i}: token ids must be in [0, {self.cfg.vocab}), found [{lo}, {hi}]")
 
     def sample_decode_step(self, input_ids: torch.Tensor, meta: PagedMetadata, sampling: Sampling) -> torch.Tensor:
         """Plain decode, sampled: the target's next token for one token a request, drawn from the
