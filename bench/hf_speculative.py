@@ -22,7 +22,10 @@ one by one), device time by kernel kind (switch, attention, GEMMs, gathers, othe
 step and the ten costliest, next to the eager step's wall time. ``--compile`` compiles both
 models (inductor, no cudagraphs) before graphctl captures them; ``--emulate-casts`` with it rounds
 Inductor's bf16 intermediates as eager does, so the oracle's target and draft logits stay equal
-(fused, the 16- and 2-layer graphs round differently and near-ties go the other way).
+(fused, the 16- and 2-layer graphs round differently and near-ties go the other way);
+``--freezing`` with it lets Inductor fold the weights as constants (``freezing``), which concatenates the
+GEMMs that share an input (q/k/v, gate/up) into one each: fewer launches a layer, at the cost of a copy of
+those weights held by the compiled graphs.
 ``--device cpu`` is a smoke run of every path but (c) and (f) (use a ``tiny-*`` config). Decode
 tokens/s excludes prefill (graphctl: ``generate``'s own decode timing; transformers: a run of
 ``--new`` tokens minus a run of 1), median of ``--reps`` runs.
@@ -35,7 +38,7 @@ the batch's token bucket (whole and piecewise), and (e) sampled at temperature 0
 ``GRAPHCTL_SAMPLING=auto``, the default).
 
     python bench/hf_speculative.py [--sizes 1 8 32] [--k 3 7] [--prompt 128] [--new 256] [--reps 5]
-        [--paths graphctl a b c] [--compile [--emulate-casts]] [--json out.json]
+        [--paths graphctl a b c] [--compile [--emulate-casts] [--freezing]] [--json out.json]
     python bench/hf_speculative.py --device cpu --config tiny-llama --sizes 2 --prompt 8 --new 6 --reps 1
 """
 from __future__ import annotations
@@ -273,6 +276,7 @@ def run(args, head: dict) -> list[dict]:
         import torch._inductor.config as inductor_config
 
         inductor_config.emulate_precision_casts = args.emulate_casts
+        inductor_config.freezing = args.freezing
         for m in (target, draft):
             m.forward = torch.compile(m.forward, dynamic=False)
     vocab = target.config.vocab_size
@@ -357,6 +361,8 @@ def main() -> None:
     ap.add_argument("--emulate-casts", action="store_true",
                     help="with --compile: Inductor rounds bf16 intermediates as eager does "
                          "(emulate_precision_casts), so the oracle draft's logits stay the target's")
+    ap.add_argument("--freezing", action="store_true",
+                    help="with --compile: Inductor folds the weights (freezing): q/k/v and gate/up GEMMs concatenated")
     ap.add_argument("--json")
     args = ap.parse_args()
     import transformers
@@ -365,7 +371,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_properties(0).name if args.device == "cuda" else "cpu"
     head = {"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
             "config": args.config, "prompt": args.prompt, "new": args.new, "reps": args.reps, "compile": args.compile,
-            "emulate_casts": args.emulate_casts,
+            "emulate_casts": args.emulate_casts, "freezing": args.freezing,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(json.dumps(head), flush=True)
     run(args, head)
