@@ -258,6 +258,7 @@ def _graphctl_variant(row: dict, eng: HFEngine, ps, buckets, args, g: torch.Gene
 
         row["compile_unique_graphs"] = counters["stats"].get("unique_graphs", 0)
         row["compile_graph_breaks"] = sum(counters["graph_break"].values())
+        row["compile_pattern_matches"] = counters["inductor"].get("pattern_matcher_count", 0)  # freezing's concats
 
 
 def run(args, head: dict) -> list[dict]:
@@ -276,7 +277,7 @@ def run(args, head: dict) -> list[dict]:
         import torch._inductor.config as inductor_config
 
         inductor_config.emulate_precision_casts = args.emulate_casts
-        inductor_config.freezing = args.freezing
+        inductor_config.freezing = args.freezing  # read before per-compile options apply: global here
         for m in (target, draft):
             m.forward = torch.compile(m.forward, dynamic=False)
     vocab = target.config.vocab_size
