@@ -25,11 +25,10 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import CaptureError
 from graphctl.graphs.frames import user_frame
-from graphctl.graphs.journal import Journal, arguments, storage_bytes
+from graphctl.graphs.journal import Journal, arguments, op_tensors, storage_bytes
 from graphctl.graphs.randomness import RandomUse, random_use
 from graphctl.graphs.reach import storage_key
 from graphctl.state.interrupts import drop_mode
@@ -64,17 +63,20 @@ def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tor
     out: list[torch.Tensor] = []
     for i, name in where:
         v = args[i] if i < len(args) else kwargs.get(name)
-        out += [t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)]
+        out += op_tensors(v)
     return out
 
 
 def _fresh_outputs(func: torch._ops.OpOverload, out: Any) -> list[torch.Tensor]:
     """The outputs with storage of their own (a view or an in-place result aliases an input)."""
     rets = func._schema.returns
-    flat = tree_flatten(out)[0]
-    if len(rets) == 1 and len(flat) > 1:  # a Tensor[] return: aliased or not as one
-        return [] if rets[0].alias_info is not None else [t for t in flat if isinstance(t, torch.Tensor)]
-    return [t for t, r in zip(flat, rets) if isinstance(t, torch.Tensor) and r.alias_info is None]
+    if isinstance(out, torch.Tensor):
+        return [out] if rets[0].alias_info is None else []
+    if not isinstance(out, (list, tuple)):  # None (no returns) or a Python number
+        return []
+    if len(rets) == 1:  # a Tensor[] return: aliased or not as one
+        return [] if rets[0].alias_info is not None else op_tensors(out)
+    return [t for t, r in zip(out, rets) if isinstance(t, torch.Tensor) and r.alias_info is None]
 
 
 def no_path(t: torch.Tensor) -> str:
@@ -179,8 +181,8 @@ class WriteTracker(TorchDispatchMode):
             r = random_use(func, args, kwargs, known)
             if r is not None and r[0] not in self.random:  # an undeclared stream: its state before its first draw
                 self.random[r[0]] = (r[1], r[2], r[2].get_state() if r[2] is not None else None)
-        for t in tree_flatten((args, kwargs))[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        for t in op_tensors(args, kwargs):
+            if t.device.type == "meta":
                 continue
             key = storage_key(t)
             self.used.add(key)
@@ -210,11 +212,11 @@ class WriteTracker(TorchDispatchMode):
             self.external.pop(key, None)  # an address freed and handed out again: a new storage
             self.before.pop(key, None)
         if self.tainted:  # integer results computed from a padded input carry its padded rows on
-            src = next((self.tainted[k] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-                        and _integral(t) and (k := storage_key(t)) in self.tainted), None)
+            src = next((self.tainted[k] for t in op_tensors(args, kwargs)
+                        if _integral(t) and (k := storage_key(t)) in self.tainted), None)
             if src is not None:
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor) and _integral(t) and t.untyped_storage().nbytes():
+                for t in op_tensors(out):
+                    if _integral(t) and t.untyped_storage().nbytes():
                         self.tainted.setdefault(storage_key(t), src)
                         self._alive.append(t)
         return out
@@ -229,8 +231,8 @@ class WriteTracker(TorchDispatchMode):
     def _check_index(self, func, args: tuple, kwargs: dict, target: str) -> None:
         given = arguments(func, args, kwargs)
         for v in (given.get("index"), given.get("indices")):
-            for t in tree_flatten(v)[0]:
-                if isinstance(t, torch.Tensor) and (src := self.tainted.get(storage_key(t))) is not None:
+            for t in op_tensors(v):
+                if (src := self.tainted.get(storage_key(t))) is not None:
                     self.hazards.setdefault((src, target), PaddingHazard(src, func._schema.name, user_frame(), target))
 
     def undo(self) -> None:

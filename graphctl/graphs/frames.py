@@ -3,8 +3,9 @@ graphctl's machinery (the emulated recorder names the line of a capture-illegal 
 side-effect tracker the line of a write)."""
 from __future__ import annotations
 
+import functools
 import os
-import traceback
+import sys
 
 import torch
 
@@ -16,11 +17,26 @@ GRAPHCTL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ..
 _INTERNAL_DIRS = tuple(os.path.join(GRAPHCTL_DIR, d) + os.sep for d in ("graphs", "state", "ops", "cli", "testing"))
 
 
+@functools.lru_cache(maxsize=4096)
+def _shown(filename: str, cwd: str) -> str | None:
+    """How a frame's file is named from ``cwd``, or None for torch's and graphctl's machinery
+    (once a file and directory)."""
+    f = os.path.join(cwd, filename) if not os.path.isabs(filename) else filename
+    f = os.path.normpath(f)
+    if f.startswith(_TORCH_DIR) or f.startswith(_INTERNAL_DIRS) or "<frozen" in f:
+        return None
+    rel = os.path.relpath(f, cwd)
+    return f if rel.startswith("..") else rel
+
+
 def user_frame() -> str:
-    """The innermost stack frame outside torch and graphctl: the line that issued the op."""
-    for frame in reversed(traceback.extract_stack()):
-        f = os.path.abspath(frame.filename)
-        if not f.startswith(_TORCH_DIR) and not f.startswith(_INTERNAL_DIRS) and "<frozen" not in f:
-            rel = os.path.relpath(f)
-            return f"{f if rel.startswith('..') else rel}:{frame.lineno}"
+    """The innermost stack frame outside torch and graphctl: the line that issued the op. The
+    frames are walked, not extracted (``traceback.extract_stack`` reads every frame's source
+    line: a ``stat`` a frame, for each of the tracker's writes)."""
+    frame, cwd = sys._getframe(1), os.getcwd()
+    while frame is not None:
+        shown = _shown(frame.f_code.co_filename, cwd)
+        if shown is not None:
+            return f"{shown}:{frame.f_lineno}"
+        frame = frame.f_back
     return "<unknown>"
