@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import types
 
 import torch
 
@@ -33,7 +34,8 @@ def user_frame() -> str:
     """The innermost stack frame outside torch and graphctl: the line that issued the op. The
     frames are walked, not extracted (``traceback.extract_stack`` reads every frame's source
     line: a ``stat`` a frame, for each of the tracker's writes)."""
-    frame, cwd = sys._getframe(1), os.getcwd()
+    frame: types.FrameType | None = sys._getframe(1)
+    cwd = os.getcwd()
     while frame is not None:
         shown = _shown(frame.f_code.co_filename, cwd)
         if shown is not None:
