@@ -18,7 +18,7 @@ memory (``torch.cuda.memory_reserved`` growth across the capture, the cost a ser
 cache), the peak allocated during it (what must be free to capture at all) and what stays reserved
 once freed blocks are released, and for graphctl the per-bucket warmup and capture ms of
 ``report()``. Targets (issue 32): graphctl / hand <= 1.0 in time and in pool memory. Medians of
-``--repeats`` process pairs.
+``--repeats`` process pairs, after one uncounted pair that fills the on-disk kernel caches.
 
     python bench/capture_cost.py [--target engine forward] [--buckets 1 2 4 8 16 32 64] [--repeats 5]
 """
@@ -177,7 +177,10 @@ def main() -> int:
     results: dict = {}
     for target in a.target:
         runs: dict[str, list[dict]] = {"graphctl": [], "hand": []}
-        for _ in range(a.repeats):  # pairs of fresh processes, alternated
+        # pairs of fresh processes, alternated, after one uncounted pair: the first process to build a kernel
+        # variant compiles it into Triton's on-disk cache (0.3 s each at three buckets in the first H100 run),
+        # and every later process of either variant finds it there
+        for i in range(a.repeats + 1):
             for variant in runs:
                 cmd = [sys.executable, __file__, "--child", target, variant, "--buckets", *map(str, a.buckets)]
                 res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -185,7 +188,8 @@ def main() -> int:
                 if res.returncode or line is None:
                     print(f"{target}/{variant} failed:\n{res.stderr[-3000:]}", file=sys.stderr)
                     return 1
-                runs[variant].append(json.loads(line[len("RESULT "):]))
+                if i:
+                    runs[variant].append(json.loads(line[len("RESULT "):]))
         med = {v: {m: statistics.median(r[m] for r in rs) for m in ("seconds", "pool_mib", "peak_mib", "held_mib")}
                for v, rs in runs.items()}
         results[target] = dict(runs=runs, median=med, time_ratio=med["graphctl"]["seconds"] / med["hand"]["seconds"],

@@ -146,12 +146,14 @@ def segments_from_marks(marks: list[tuple[str, int]], total: int) -> tuple[Segme
 @contextlib.contextmanager
 def gc_held() -> Iterator[None]:
     # A collection during capture can run __del__ of tensors (frees inside the capture's pool)
-    # and costs seconds across many buckets; collect once, then hold it off. Nested (a variant
+    # and costs seconds across many buckets; collect once, then hold it off. The young generations
+    # only: what the example call and the model's last steps left (a full collection of a process
+    # that imported transformers is 0.1-0.2 s, a tenth of a whole capture_all). Nested (a variant
     # runner holds one around its runners' captures) the outer one has disabled collection: the
     # inner one neither collects nor re-enables (no counter a Ctrl-C could leave wrong).
     was = gc.isenabled()
     if was:
-        gc.collect()
+        gc.collect(1)
     try:  # disable inside the try: a Ctrl-C right after it must still re-enable collection
         gc.disable()
         yield
