@@ -283,7 +283,9 @@ class HFEngine(MTPEngine):
             best = logits.argmax(-1) if sampling is None else \
                 sample(sampling.probs(logits), m.generator, self.cfg.max_seqs)
             finished = [r for r in range(n) if take[r] and done[r] == lens[r]]
-            if finished:  # the requests whose last prompt token was in this pass
+            if len(finished) == n:  # one pass held every prompt's end: no index to copy to the device
+                first.copy_(best[:n])
+            elif finished:  # the requests whose last prompt token was in this pass
                 idx = torch.tensor(finished, device=self.device)
                 first[idx] = best[idx]
         return first
