@@ -132,3 +132,25 @@ def test_capture_all_leaves_the_kv_caches_bitwise_without_copying_them_whole(bac
         # rows of the warmups' writes, not a copy of the caches (the old guard and snapshot took two); the peak
         # still holds the capture stream's own cuBLAS workspace (32 MiB on a Hopper card), made by its first warmup
         assert peak < held, (peak, held)
+
+
+def test_op_tensors_finds_what_pytree_finds_in_op_arguments(gen):
+    # Regression (session 47): the tracker flattened every op's arguments with pytree's tree_flatten, half of a
+    # tracked run's host time; its replacement must find the same tensors, in order, in every argument shape.
+    from torch.utils._pytree import tree_flatten
+
+    from graphctl.graphs.journal import op_tensors
+
+    a, b, c, d = (torch.randn(3, generator=gen) for _ in range(4))
+    cases = [
+        ((a, 1, 2.5, None), {}),  # a tensor among scalars
+        ((a, [None, b, c]), {"accumulate": True}),  # Tensor?[] indices (index_put_)
+        (([a, b], (c, [d])), {}),  # Tensor[] and nested results
+        ((a,), {"out": b, "alpha": 2}),  # out= in kwargs
+        ((torch.int64, "mean", [], ()), {"dim": [0, 1]}),  # no tensor at all
+        ((), {"values": {"x": a, "y": [b, None]}}),  # a dict's values
+    ]
+    for args, kwargs in cases:
+        want = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        got = op_tensors(args, kwargs)
+        assert len(got) == len(want) and all(g is w for g, w in zip(got, want)), (args, kwargs)
