@@ -258,7 +258,8 @@ def _graphctl_variant(row: dict, eng: HFEngine, ps, buckets, args, g: torch.Gene
 
         row["compile_unique_graphs"] = counters["stats"].get("unique_graphs", 0)
         row["compile_graph_breaks"] = sum(counters["graph_break"].values())
-        row["compile_pattern_matches"] = counters["inductor"].get("pattern_matcher_count", 0)  # freezing's concats
+        # every Inductor pattern rewrite, freezing's GEMM concatenations among them (compare runs with and without)
+        row["compile_pattern_matches"] = counters["inductor"].get("pattern_matcher_count", 0)
 
 
 def run(args, head: dict) -> list[dict]:

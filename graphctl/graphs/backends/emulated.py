@@ -45,6 +45,7 @@ from graphctl.graphs import pieces
 from graphctl.graphs.analysis.nodes import Node, Ref, Region
 from graphctl.graphs.backends.looks import LooksLikeCapture as _LooksLikeCapture
 from graphctl.graphs.frames import GRAPHCTL_DIR, user_frame
+from graphctl.graphs.journal import op_tensors
 from graphctl.state.interrupts import deferred, drop_mode
 from graphctl.state.phase import paused, recording
 
@@ -70,9 +71,7 @@ def _illegal(func: torch._ops.OpOverload, args: tuple, out: Any) -> str | None:
     if name not in _METADATA_ONLY and any(str(r.type) in ("bool", "int", "float", "Scalar", "SymInt")
                                           for r in func._schema.returns):
         return "returns a host value computed from device data"
-    ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
-    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-    if any(t.device.type != "cpu" for t in ins) and any(t.device.type == "cpu" for t in outs):
+    if any(t.device.type != "cpu" for t in op_tensors(args)) and any(t.device.type == "cpu" for t in op_tensors(out)):
         return "copies device memory to the host, a synchronization a graph cannot record"
     return None
 
