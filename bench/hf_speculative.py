@@ -209,6 +209,8 @@ def _graphctl_variant(row: dict, eng: HFEngine, ps, buckets, args, g: torch.Gene
         eng.meta.prepare(eng.state, torch.ones(bs, dtype=torch.int32),
                          torch.full((bs,), args.prompt + 1, dtype=torch.int32))
         row["d_graphed_step_ms"] = _step_ms({"graphctl": lambda: fwd(ids, eng.meta)})["graphctl"]
+        # the decode step's kernels (the k = 0 target: GEMMs against the weight read, and the gaps)
+        row["d_breakdown_us"] = breakdown(lambda: fwd(ids, eng.meta), lambda: eng.decode_step(ids, eng.meta))
         # what generate adds between two graphed steps: its host work while the device idles
         row["d_host_gap_ms"] = ms - row["d_graphed_step_ms"]
         # the prefill graphed at the batch's token bucket (issue 33): attention in the graph, and piecewise
