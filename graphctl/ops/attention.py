@@ -44,22 +44,29 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
            req_idx: torch.Tensor, positions: torch.Tensor) -> tuple[int, int, int]:
     """``(KVH, BS, C)`` of a well-formed call; ``ValueError`` naming what is not."""
     if q.dim() != 3:
-        raise ValueError(f"paged_attention: q must be [T, H, D], got shape {tuple(q.shape)}")
+        raise ValueError(f"paged_attention: q must be [T, H, D], got shape {tuple(q.shape)}; pack the step's "
+                         f"tokens first (q.view(tokens, heads, head_dim))")
     T, H, D = q.shape
     if k_cache.dim() != 3 or k_cache.shape != v_cache.shape or k_cache.shape[-1] % D:
         raise ValueError(f"paged_attention: k_cache and v_cache must be one [P, BS, KVH * {D}] shape, got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}; pass one layer's pools "
+                         f"(KVCacheManager.k[layer], .v[layer]) with q's head dim {D}")
     kvh = k_cache.shape[-1] // D
     if H % kvh:
-        raise ValueError(f"paged_attention: {H} query heads are not a multiple of {kvh} KV heads")
+        raise ValueError(f"paged_attention: {H} query heads are not a multiple of {kvh} KV heads; the caches' "
+                         f"last dim must be KV heads x head dim of the model's config")
     if block_table.dim() != 2 or req_idx.shape != (T,) or positions.shape != (T,):
         raise ValueError(f"paged_attention: block_table must be [R, B], req_idx and positions [{T}]; got "
-                         f"{tuple(block_table.shape)}, {tuple(req_idx.shape)}, {tuple(positions.shape)}")
+                         f"{tuple(block_table.shape)}, {tuple(req_idx.shape)}, {tuple(positions.shape)}; pass "
+                         f"one row and one position per packed query token")
     for name, t in (("block_table", block_table), ("req_idx", req_idx), ("positions", positions)):
         if t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise ValueError(f"paged_attention: {name} must be an integer tensor, got {t.dtype}")
+            raise ValueError(f"paged_attention: {name} must be an integer tensor, got {t.dtype}; pass it "
+                             f"as torch.int32 (or int64)")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("paged_attention: the caches must be contiguous (pages read in place)")
+        raise ValueError("paged_attention: the caches must be contiguous (pages read in place); pass the "
+                         "pools themselves, not a slice or transpose (or .contiguous() them once, outside "
+                         "the step)")
     bs = k_cache.shape[1]
     return kvh, bs, block_table.shape[1] * bs
 
@@ -167,7 +174,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
             or slots.shape != (k.shape[0],):
         raise ValueError(f"write_kv: k and v must be one [T, KVH, D] shape with KVH * D = the contiguous caches' "
                          f"last dim, slots [T]; got k {tuple(k.shape)}, v {tuple(v.shape)}, caches "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}, slots {tuple(slots.shape)}")
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}, slots {tuple(slots.shape)}; view "
+                         f"k and v as [tokens, kv_heads, head_dim] with one slot a token, into one layer's "
+                         f"pools")
     kernel = WRITE.kernel(k.device)
     if kernel is None:
         write_reference(k_cache, v_cache, slots, k, v)

@@ -169,9 +169,9 @@ def test_the_write_reference_equals_a_per_token_loop(gen, cache_dtype):
     write_kv(*again, slots, k, v)  # on a CPU: the reference, behind the same checks
     assert all(torch.equal(a.view(-1, kvh * D)[int(s)], c.view(-1, kvh * D)[int(s)])
                for a, c in zip(again, caches) for s in slots if 0 <= int(s) < P * BS)
-    with pytest.raises(ValueError, match="KVH \\* D"):
+    with pytest.raises(ValueError, match="KVH \\* D.*view k and v as"):
         write_kv(again[0], again[1], slots, k[:, :2], v[:, :2])
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match="contiguous.*view k and v as"):
         write_kv(again[0].transpose(0, 1), again[1].transpose(0, 1), slots, k, v)
     assert not torch.equal(caches[0].view(-1, kvh * D)[int(slots[0])], k[0].new_zeros(kvh * D).to(cache_dtype))
 
@@ -203,17 +203,18 @@ def test_the_direct_path_sees_dispatch_modes_and_compile_traces():
 
 @pytest.mark.parametrize("bad", ["q_rank", "heads", "cache_shape", "float_table", "req_len"])
 def test_bad_input_is_refused_by_name(gen, bad):
+    # Issue 32: each refusal names what it expected and found, and says how to fix the call.
     q, k, v, table, req, pos, scale = _case(gen, torch.float32, H=4, KVH=2, D=8, BS=4, B=3, R=3, q_per_row=2)
     if bad == "q_rank":
-        q, match = q[0], "q must be"
+        q, match = q[0], "q must be.*pack the step"
     elif bad == "heads":
-        q, match = q[:, :3], "not a multiple"
+        q, match = q[:, :3], "not a multiple.*KV heads x head dim"
     elif bad == "cache_shape":
-        v, match = v[:, :2], "one \\[P, BS"
+        v, match = v[:, :2], "one \\[P, BS.*one layer's pools"
     elif bad == "float_table":
-        table, match = table.float(), "block_table must be an integer"
+        table, match = table.float(), "block_table must be an integer.*torch.int32"
     else:
-        req, match = req[:-1], "req_idx and positions"
+        req, match = req[:-1], "req_idx and positions.*one row and one position"
     with pytest.raises(ValueError, match=match):
         torch.ops.graphctl.paged_attention(q, k, v, table, req, pos, scale)
 
