@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphctl.errors import CaptureError
 from graphctl.graphs.frames import user_frame
-from graphctl.graphs.journal import Journal, arguments, op_tensors, storage_bytes
+from graphctl.graphs.journal import Journal, arguments, fresh_results, op_tensors, storage_bytes
 from graphctl.graphs.randomness import RandomUse, random_use
 from graphctl.graphs.reach import storage_key
 from graphctl.state.interrupts import drop_mode
@@ -65,18 +65,6 @@ def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tor
         v = args[i] if i < len(args) else kwargs.get(name)
         out += op_tensors(v)
     return out
-
-
-def _fresh_outputs(func: torch._ops.OpOverload, out: Any) -> list[torch.Tensor]:
-    """The outputs with storage of their own (a view or an in-place result aliases an input)."""
-    rets = func._schema.returns
-    if isinstance(out, torch.Tensor):
-        return [out] if rets[0].alias_info is None else []
-    if not isinstance(out, (list, tuple)):  # None (no returns) or a Python number
-        return []
-    if len(rets) == 1:  # a Tensor[] return: aliased or not as one
-        return [] if rets[0].alias_info is not None else op_tensors(out)
-    return [t for t, r in zip(out, rets) if isinstance(t, torch.Tensor) and r.alias_info is None]
 
 
 def no_path(t: torch.Tensor) -> str:
@@ -206,7 +194,7 @@ class WriteTracker(TorchDispatchMode):
             if self.tainted:
                 self._check_index(func, args, kwargs, self.found[key].path)
         out = func(*args, **kwargs)
-        for t in _fresh_outputs(func, out):
+        for _, t in fresh_results(func, out):
             key = storage_key(t)
             self.born.add(key)
             self.external.pop(key, None)  # an address freed and handed out again: a new storage

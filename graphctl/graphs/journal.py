@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Journal", "storage_bytes", "arguments", "op_tensors"]
+__all__ = ["Journal", "storage_bytes", "arguments", "op_tensors", "fresh_results"]
 
 
 def storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -48,6 +48,24 @@ def op_tensors(*values: Any) -> list[torch.Tensor]:
         elif isinstance(v, dict):
             out += op_tensors(*v.values())
     return out
+
+
+def fresh_results(func: Any, out: Any) -> list[tuple[int, torch.Tensor]]:
+    """``(position, tensor)`` of an op's results with storage of their own, positions counted as
+    pytree's ``tree_flatten`` counts the result's leaves. A return the schema marks as aliasing an
+    input (in-place, ``out=``, a view) is not fresh; a ``Tensor[]`` return is aliased or not as a
+    whole. The write tracker (new tensors are no side effect) and the emulated recorder (fresh
+    results are copied into the capture-time outputs on replay) share this one rule."""
+    rets = func._schema.returns
+    if not isinstance(out, (list, tuple)):  # a Tensor, None (no returns) or a Python number
+        return [(0, out)] if isinstance(out, torch.Tensor) and rets[0].alias_info is None else []
+    fresh, i = [], 0
+    for r, value in zip(rets, (out,) if len(rets) == 1 else out):
+        for leaf in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(leaf, torch.Tensor) and r.alias_info is None:
+                fresh.append((i, leaf))
+            i += 1
+    return fresh
 
 
 _BY_INDEX = {"aten::index_copy_", "aten::index_fill_", "aten::index_add_"}

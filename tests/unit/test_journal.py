@@ -154,3 +154,38 @@ def test_op_tensors_finds_what_pytree_finds_in_op_arguments(gen):
         want = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         got = op_tensors(args, kwargs)
         assert len(got) == len(want) and all(g is w for g, w in zip(got, want)), (args, kwargs)
+
+
+def test_fresh_results_are_the_unaliased_leaves_at_their_pytree_positions(gen):
+    # Regression (session 48): the tracker and the emulated recorder each kept a rule for an op's fresh results, and
+    # they differed on a tuple holding a Tensor[] (histogramdd's bin edges); the recorder copies replayed results by
+    # pytree position, so the one rule must name the leaves, and count them, as tree_flatten does.
+    from torch.utils._pytree import tree_flatten
+
+    from graphctl.graphs.journal import fresh_results
+
+    aten = torch.ops.aten
+    x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen)
+    cases = [
+        (aten.add.Tensor, (x, y), "all"),  # one fresh Tensor
+        (aten.add_.Tensor, (x.clone(), y), "none"),  # in place: the input itself
+        (aten.split.Tensor, (x, 2), "none"),  # Tensor(a)[]: views, aliased as a whole
+        (aten.max.dim, (x, 1), "all"),  # (values, indices): both fresh
+        (aten._foreach_add.List, ([x, y], [y, x]), "all"),  # Tensor[]: fresh as a whole
+        (aten.histogramdd.default, (x[:, :2].contiguous(), [3, 4]), "all"),  # (Tensor, Tensor[])
+        (aten.transpose.int, (x, 0, 1), "none"),  # a view
+        (aten.max.dim_max, (x, 1, False), "out"),  # out=: aliases its out arguments
+    ]
+    for op, args, fresh in cases:
+        kwargs = {}
+        if fresh == "out":
+            kwargs = {"max": torch.empty(4), "max_values": torch.empty(4, dtype=torch.long)}
+            fresh = "none"
+        out = op(*args, **kwargs)
+        got = fresh_results(op, out)
+        leaves = tree_flatten(out)[0]
+        want = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)] if fresh == "all" else []
+        assert [i for i, _ in got] == [i for i, _ in want], op
+        assert all(g is w for (_, g), (_, w) in zip(got, want)), op
+        assert all(leaves[i] is t for i, t in got), op
+    assert len(fresh_results(aten.histogramdd.default, aten.histogramdd.default(x[:, :2].contiguous(), [3, 4]))) == 3

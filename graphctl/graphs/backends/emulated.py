@@ -45,7 +45,7 @@ from graphctl.graphs import pieces
 from graphctl.graphs.analysis.nodes import Node, Ref, Region
 from graphctl.graphs.backends.looks import LooksLikeCapture as _LooksLikeCapture
 from graphctl.graphs.frames import GRAPHCTL_DIR, user_frame
-from graphctl.graphs.journal import op_tensors
+from graphctl.graphs.journal import fresh_results, op_tensors
 from graphctl.state.interrupts import deferred, drop_mode
 from graphctl.state.phase import paused, recording
 
@@ -154,17 +154,7 @@ class _Recorder(TorchDispatchMode):
                                    "or run this bucket eagerly")
         # Outputs that alias an input (in-place, out=, views) need no copy on replay; the rest
         # receive the replayed result in the capture-time tensor.
-        returns = func._schema.returns
-        flat, _ = tree_flatten(out)
-        fresh = []
-        if len(returns) == 1 and isinstance(out, (list, tuple)):  # Tensor[] returns: one schema entry
-            aliased = returns[0].alias_info is not None
-            fresh = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and not aliased]
-        else:
-            for i, t in enumerate(flat):
-                if isinstance(t, torch.Tensor) and (i >= len(returns) or returns[i].alias_info is None):
-                    fresh.append(i)
-        self.ops.append(_Op(func, args, kwargs, tuple((i, flat[i]) for i in fresh)))
+        self.ops.append(_Op(func, args, kwargs, tuple(fresh_results(func, out))))
         return out
 
 
