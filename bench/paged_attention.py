@@ -59,8 +59,9 @@ def _sweep(args: tuple, want: torch.Tensor, iters: int, repeats: int) -> list[tu
     from graphctl.ops.attention_triton import Launch, paged_attention
 
     rows = []
-    for waves, block_n, warps, stages in itertools.product((1, 2, 4, 8), (32, 64, 128), (4, 8), (2, 3)):
-        launch = Launch(waves=waves, block_n=block_n, num_warps=warps, num_stages=stages)
+    for waves, block_n, warps, stages, lowp in itertools.product((1, 2, 4, 8), (64, 128), (4, 8), (2, 3),
+                                                                 (True, False)):
+        launch = Launch(waves=waves, block_n=block_n, num_warps=warps, num_stages=stages, lowp=lowp)
         try:
             got = paged_attention(*args, launch=launch)
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

@@ -4,10 +4,13 @@ One program per (query token, KV head): it reads the token's row and position fr
 walks that row's pages through ``block_table`` ``BLOCK_N`` keys at a time (pages read in place: no
 gathered copy), and keeps an online softmax (running max, running sum, float32 accumulator) for the
 ``H // KVH`` query heads that share the KV head, so each key and value is loaded once for the group.
-Loads are in the cache's dtype, products in float32 (TF32 tensor cores for 16-bit caches, whose
-values TF32 holds exactly; IEEE for float32 caches). A token of no request, or past its row's keys,
-loads nothing and writes zeros. The grid ``(T, KVH)`` depends on shapes only: one launch records
-into a CUDA graph.
+Loads are in the cache's dtype; with a 16-bit cache and query of one dtype (``Launch.lowp``, the
+default) both products run on its tensor cores with float32 accumulation, the softmax weights
+rounded to that dtype for the second, as FlashAttention does (the loads feed the products with no
+conversion between, which keeps more of them in flight); otherwise the operands go to float32
+(TF32 tensor cores for 16-bit values, which TF32 holds exactly; IEEE for float32 queries). A
+token of no request, or past its row's keys, loads nothing and writes zeros. The grid ``(T, KVH)``
+depends on shapes only: one launch records into a CUDA graph.
 
 Split-K: where ``T x KVH`` programs would leave SMs idle (small batches, long contexts), each
 (token, KV head) pair's keys are split over more programs (:func:`splits_for`, from shapes only,
@@ -46,7 +49,7 @@ def _kernel() -> Any:
                                  sq_t, sq_h, sbt_r, so_t, so_h, so_s,
                                  KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 IEEE: tl.constexpr, SPLIT: tl.constexpr):
+                                 IEEE: tl.constexpr, SPLIT: tl.constexpr, LOWP: tl.constexpr):
         t = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -63,7 +66,9 @@ def _kernel() -> Any:
         mask_d = offs_d < D
         heads = kh * G + offs_g
         q = tl.load(Q + t * sq_t + heads[:, None] * sq_h + offs_d[None, :],
-                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+        if not LOWP:
+            q = q.to(tl.float32)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -75,7 +80,9 @@ def _kernel() -> Any:
             slot = page * BS + offs_n % BS
             kv_off = slot[:, None] * row_stride + kh * D + offs_d[None, :]
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+            k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+            if not LOWP:
+                k = k.to(tl.float32)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -86,10 +93,13 @@ def _kernel() -> Any:
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+            if LOWP:  # the weights rounded to the cache's 16-bit dtype, as FlashAttention does
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            elif IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
+                v = v.to(tl.float32)
                 acc = acc * alpha[:, None] + tl.dot(p, v)
             m_i = m_new
         out_off = t * so_t + heads[:, None] * so_h + sp * so_s + offs_d[None, :]
@@ -169,15 +179,20 @@ class Launch:
     """How the kernel is launched (shapes only: fixed for a graph). ``waves``: split-K aims at
     ``waves`` programs an SM (:func:`splits_for`); ``block_n``: keys a loop iteration (0: 64, or
     32 for head dims over 128); ``num_warps`` / ``num_stages``: Triton's. ``bench/paged_attention.py
-    --sweep`` measures the alternatives on a GPU."""
+    --sweep`` measures the alternatives on a GPU. ``lowp``: 16-bit products where query and cache
+    share a 16-bit dtype (the module docstring); False: float32 operands."""
 
     waves: int = 2
     block_n: int = 0
     num_warps: int = 4
     num_stages: int = 3
+    lowp: bool = True
 
 
 DEFAULT = Launch()
+# dtypes whose products Launch.lowp keeps in the dtype, by device: Triton's interpreter (CPU tensors, TRITON_INTERPRET)
+# multiplies bfloat16 wrongly (numpy has no bfloat16), so there bfloat16 products take float32 operands
+_LOWP = {"cuda": (torch.float16, torch.bfloat16), "cpu": (torch.float16,)}
 
 # keys a split program covers at least: below this the partial results cost more than they save
 _MIN_KEYS_A_SPLIT = 256
@@ -220,6 +235,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     splits = -(-keys // chunk)
     meta = dict(KVH=kvh, G=g, D=D, BS=bs, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
                 IEEE=q.dtype == torch.float32, SPLIT=splits > 1, num_warps=launch.num_warps,
+                LOWP=launch.lowp and q.dtype == k_cache.dtype == v_cache.dtype
+                and q.dtype in _LOWP.get(q.device.type, ()),
                 num_stages=launch.num_stages)
     attend, combine = _kernel()
     if splits == 1:
