@@ -36,6 +36,21 @@ def test_the_triton_kernel_equals_the_reference_on_cuda(gen, dtype, shape):
     assert torch.equal(got[dead], torch.zeros_like(got[dead]))
 
 
+@pytest.mark.parametrize("lowp", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES[1:3])
+def test_both_product_precisions_equal_the_reference_on_cuda(gen, dtype, shape, lowp):
+    # Issue 32: Launch.lowp (16-bit products, the weights rounded as FlashAttention rounds them) and float32
+    # operands, each against the reference, whichever is the default; split-K too (2,048 keys at a few rows).
+    from graphctl.ops.attention_triton import Launch, paged_attention
+
+    case = _cuda(_case(gen, dtype, **shape))
+    want = reference(*case).float()
+    for splits in (None, 1, 3):
+        out = paged_attention(*case, splits=splits, launch=Launch(lowp=lowp))
+        torch.testing.assert_close(out.float(), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
 def test_the_kernel_replays_in_a_cuda_graph_with_what_the_step_wrote(gen):
     shape = dict(H=8, KVH=2, D=64, BS=16, B=8, R=4, q_per_row=4)
     q, k, v, table, req, pos, scale = _cuda(_case(gen, torch.bfloat16, **shape))
