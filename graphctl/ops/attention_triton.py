@@ -4,11 +4,11 @@ One program per (query token, KV head): it reads the token's row and position fr
 walks that row's pages through ``block_table`` ``BLOCK_N`` keys at a time (pages read in place: no
 gathered copy), and keeps an online softmax (running max, running sum, float32 accumulator) for the
 ``H // KVH`` query heads that share the KV head, so each key and value is loaded once for the group.
-Loads are in the cache's dtype; with a 16-bit cache and query of one dtype (``Launch.lowp``, the
-default) both products run on its tensor cores with float32 accumulation, the softmax weights
-rounded to that dtype for the second, as FlashAttention does (the loads feed the products with no
-conversion between, which keeps more of them in flight); otherwise the operands go to float32
-(TF32 tensor cores for 16-bit values, which TF32 holds exactly; IEEE for float32 queries). A
+Loads are in the cache's dtype, products in float32 (TF32 tensor cores for 16-bit caches, whose
+values TF32 holds exactly; IEEE for float32 queries). ``Launch.lowp`` (off by default: not yet
+measured on a GPU) keeps them in a 16-bit cache's dtype where the query shares it, float32
+accumulation, the softmax weights rounded to it for the second product as FlashAttention does: the
+loads feed the tensor cores with no conversion between, which may keep more of them in flight. A
 token of no request, or past its row's keys, loads nothing and writes zeros. The grid ``(T, KVH)``
 depends on shapes only: one launch records into a CUDA graph.
 
@@ -180,13 +180,13 @@ class Launch:
     ``waves`` programs an SM (:func:`splits_for`); ``block_n``: keys a loop iteration (0: 64, or
     32 for head dims over 128); ``num_warps`` / ``num_stages``: Triton's. ``bench/paged_attention.py
     --sweep`` measures the alternatives on a GPU. ``lowp``: 16-bit products where query and cache
-    share a 16-bit dtype (the module docstring); False: float32 operands."""
+    share a 16-bit dtype (the module docstring); False (the default): float32 operands."""
 
     waves: int = 2
     block_n: int = 0
     num_warps: int = 4
     num_stages: int = 3
-    lowp: bool = True
+    lowp: bool = False
 
 
 DEFAULT = Launch()
