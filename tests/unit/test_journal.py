@@ -166,25 +166,22 @@ def test_fresh_results_are_the_unaliased_leaves_at_their_pytree_positions(gen):
 
     aten = torch.ops.aten
     x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen)
+    out_args = {"max": torch.empty(4), "max_values": torch.empty(4, dtype=torch.long)}
     cases = [
-        (aten.add.Tensor, (x, y), "all"),  # one fresh Tensor
-        (aten.add_.Tensor, (x.clone(), y), "none"),  # in place: the input itself
-        (aten.split.Tensor, (x, 2), "none"),  # Tensor(a)[]: views, aliased as a whole
-        (aten.max.dim, (x, 1), "all"),  # (values, indices): both fresh
-        (aten._foreach_add.List, ([x, y], [y, x]), "all"),  # Tensor[]: fresh as a whole
-        (aten.histogramdd.default, (x[:, :2].contiguous(), [3, 4]), "all"),  # (Tensor, Tensor[])
-        (aten.transpose.int, (x, 0, 1), "none"),  # a view
-        (aten.max.dim_max, (x, 1, False), "out"),  # out=: aliases its out arguments
+        (aten.add.Tensor, (x, y), {}, True),  # one fresh Tensor
+        (aten.add_.Tensor, (x.clone(), y), {}, False),  # in place: the input itself
+        (aten.split.Tensor, (x, 2), {}, False),  # Tensor(a)[]: views, aliased as a whole
+        (aten.max.dim, (x, 1), {}, True),  # (values, indices): both fresh
+        (aten._foreach_add.List, ([x, y], [y, x]), {}, True),  # Tensor[]: fresh as a whole
+        (aten.histogramdd.default, (x[:, :2].contiguous(), [3, 4]), {}, True),  # (Tensor, Tensor[])
+        (aten.transpose.int, (x, 0, 1), {}, False),  # a view
+        (aten.max.dim_max, (x, 1, False), out_args, False),  # out=: aliases its out arguments
     ]
-    for op, args, fresh in cases:
-        kwargs = {}
-        if fresh == "out":
-            kwargs = {"max": torch.empty(4), "max_values": torch.empty(4, dtype=torch.long)}
-            fresh = "none"
+    for op, args, kwargs, fresh in cases:
         out = op(*args, **kwargs)
         got = fresh_results(op, out)
         leaves = tree_flatten(out)[0]
-        want = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)] if fresh == "all" else []
+        want = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)] if fresh else []
         assert [i for i, _ in got] == [i for i, _ in want], op
         assert all(g is w for (_, g), (_, w) in zip(got, want)), op
         assert all(leaves[i] is t for i, t in got), op
