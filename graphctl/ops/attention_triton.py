@@ -4,11 +4,12 @@ One program per (query token, KV head): it reads the token's row and position fr
 walks that row's pages through ``block_table`` ``BLOCK_N`` keys at a time (pages read in place: no
 gathered copy), and keeps an online softmax (running max, running sum, float32 accumulator) for the
 ``H // KVH`` query heads that share the KV head, so each key and value is loaded once for the group.
-Loads are in the cache's dtype, products in float32 (TF32 tensor cores for 16-bit caches, whose
-values TF32 holds exactly; IEEE for float32 queries). ``Launch.lowp`` (off by default: not yet
-measured on a GPU) keeps them in a 16-bit cache's dtype where the query shares it, float32
-accumulation, the softmax weights rounded to it for the second product as FlashAttention does: the
-loads feed the tensor cores with no conversion between, which may keep more of them in flight. A
+Loads are in the cache's dtype. By default (``Launch.lowp``) products stay in a 16-bit cache's
+dtype where the query shares it, with float32 accumulation and the softmax weights rounded to it for
+the second product, as FlashAttention does: the loads feed the tensor cores with no conversion
+between (0.62-0.94x the float32-operand kernel's time at the engine's shapes on an H100,
+bench/RESULTS.md). Otherwise products are in float32 (TF32 tensor cores for 16-bit caches, whose
+values TF32 holds exactly; IEEE for float32 queries). A
 token of no request, or past its row's keys, loads nothing and writes zeros. The grid ``(T, KVH)``
 depends on shapes only: one launch records into a CUDA graph.
 
@@ -177,16 +178,18 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """How the kernel is launched (shapes only: fixed for a graph). ``waves``: split-K aims at
-    ``waves`` programs an SM (:func:`splits_for`); ``block_n``: keys a loop iteration (0: 64, or
-    32 for head dims over 128); ``num_warps`` / ``num_stages``: Triton's. ``bench/paged_attention.py
-    --sweep`` measures the alternatives on a GPU. ``lowp``: 16-bit products where query and cache
-    share a 16-bit dtype (the module docstring); False (the default): float32 operands."""
+    ``waves`` programs an SM (:func:`splits_for`); ``block_n``: keys a loop iteration (0: 128 for
+    head dims up to 64, 64 up to 128, 32 above: a loop iteration's keys and values stay near 32
+    KiB of shared memory a stage); ``num_warps`` / ``num_stages``: Triton's. ``lowp``: 16-bit
+    products where query and cache share a 16-bit dtype (the module docstring); False: float32
+    operands. The defaults are the fastest launch at the engine's shapes on an H100 (bench/RESULTS.md,
+    issue 32); the H200's ``bench/paged_attention.py --sweep`` also put 128 keys and 2 stages first."""
 
     waves: int = 2
     block_n: int = 0
     num_warps: int = 4
-    num_stages: int = 3
-    lowp: bool = False
+    num_stages: int = 2
+    lowp: bool = True
 
 
 DEFAULT = Launch()
@@ -227,9 +230,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     keys = bt.shape[1] * bs
     if splits is None:
         splits = splits_for(T, kvh, keys, _sms(q.device), launch.waves)
-    # tl.dot needs every dimension >= 16; key blocks of 64 (a page of 16 read four at a time)
+    # tl.dot needs every dimension >= 16; key blocks of whole pages, fewer keys as the head dim grows
     block_g, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(D))
-    block_n = launch.block_n or (64 if block_d <= 128 else 32)
+    block_n = launch.block_n or (128 if block_d <= 64 else 64 if block_d <= 128 else 32)
     chunk = -(-keys // splits)
     chunk = -(-chunk // block_n) * block_n  # whole key blocks a split
     splits = -(-keys // chunk)

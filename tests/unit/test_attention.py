@@ -88,10 +88,11 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16
         case = _case(gen, dtype, **shape)
         want = reference(*case)
         # split-K: partial softmaxes combined (one split: the kernel alone); keys 32 or 128 a loop iteration
-        # lowp: 16-bit products where query and cache share a 16-bit dtype (float16 here: the interpreter multiplies
-        # bfloat16 wrongly, and the launcher keeps float32 operands for it there); the default: float32 operands
+        # lowp (the default): 16-bit products where query and cache share a 16-bit dtype (float16 here: the
+        # interpreter multiplies bfloat16 wrongly, and the launcher keeps float32 operands for it there)
         for splits, launch in ((None, Launch()), (2, Launch()), (5, Launch()), (3, Launch(block_n=32)),
-                               (1, Launch(block_n=128)), (None, Launch(lowp=True)), (3, Launch(lowp=True))):
+                               (1, Launch(block_n=64, num_stages=3)), (None, Launch(lowp=False)),
+                               (3, Launch(lowp=False))):
             got = paged_attention(*case, splits=splits, launch=launch)  # into torch.empty: every element written
             assert not got.isnan().any(), (dtype, shape, splits)
             dead = case[4] >= shape["R"]
