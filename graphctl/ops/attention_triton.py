@@ -230,7 +230,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     keys = bt.shape[1] * bs
     if splits is None:
         splits = splits_for(T, kvh, keys, _sms(q.device), launch.waves)
-    # tl.dot needs every dimension >= 16; key blocks of whole pages, fewer keys as the head dim grows
+    # tl.dot needs every dimension >= 16; fewer keys a block as the head dim grows (Launch's docstring)
     block_g, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(D))
     block_n = launch.block_n or (128 if block_d <= 64 else 64 if block_d <= 128 else 32)
     chunk = -(-keys // splits)
