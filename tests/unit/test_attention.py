@@ -87,7 +87,7 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16
                   dict(H=8, KVH=2, D=16, BS=8, B=33, R=3, q_per_row=3)):  # 264 keys: up to 5 splits of 64
         case = _case(gen, dtype, **shape)
         want = reference(*case)
-        # split-K: partial softmaxes combined (one split: the kernel alone); 32, 64 or 128 (the default) keys an iteration
+        # split-K: partial softmaxes combined (one split: the kernel alone); 32, 64 or 128 (default) keys a block
         # lowp (the default): 16-bit products where query and cache share a 16-bit dtype (float16 here: the
         # interpreter multiplies bfloat16 wrongly, and the launcher keeps float32 operands for it there)
         for splits, launch in ((None, Launch()), (2, Launch()), (5, Launch()), (3, Launch(block_n=32)),
