@@ -9,9 +9,9 @@ dtype where the query shares it, with float32 accumulation and the softmax weigh
 the second product, as FlashAttention does: the loads feed the tensor cores with no conversion
 between (0.62-0.94x the float32-operand kernel's time at the engine's shapes on an H100,
 bench/RESULTS.md). Otherwise products are in float32 (TF32 tensor cores for 16-bit caches, whose
-values TF32 holds exactly; IEEE for float32 queries). A
-token of no request, or past its row's keys, loads nothing and writes zeros. The grid ``(T, KVH)``
-depends on shapes only: one launch records into a CUDA graph.
+values TF32 holds exactly; IEEE for float32 queries). A token of no request, or past its row's
+keys, loads nothing and writes zeros. The grid ``(T, KVH)`` depends on shapes only: one launch
+records into a CUDA graph.
 
 Split-K: where ``T x KVH`` programs would leave SMs idle (small batches, long contexts), each
 (token, KV head) pair's keys are split over more programs (:func:`splits_for`, from shapes only,
