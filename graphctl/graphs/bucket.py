@@ -1,13 +1,20 @@
 """One bucket's capture, as the runner keeps it: the graph, its static outputs (sliced to the
 live batch on the way out), the address manifest it was captured against, its segments
-(target, draft, post) and its counters; and the capture-time helpers that build it.
+(target, draft, post) and the recorded switches' entry and exit sections, its counters; and the
+capture-time helpers that build it.
+
+A replay is the graph's, with this record as its hooks (``graphs/backends/hooks.py``): the
+runner's refresh switch is closed around an eager region that uses the state, and a replay that
+stops inside a switch the graph recorded gets that switch restored from its recorded snapshot, or
+the state poisoned where the snapshot itself stopped partway; anywhere else the exception (the
+user's own, from a region) propagates as itself and the state is untouched.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -16,7 +23,45 @@ from graphctl.graphs.analysis.report import Segment
 from graphctl.graphs.frames import user_frame
 from graphctl.graphs.stale import Held, refs, watch
 
-__all__ = ["BucketGraph", "gc_held", "segments_from_marks", "settle_slicing"]
+__all__ = ["BucketGraph", "Span", "gc_held", "segments_from_marks", "spans_from_marks", "settle_slicing"]
+
+
+class Span(NamedTuple):
+    """One switch recorded in a graph, as op (or node) counts: its entry section ``[enter,
+    applied)`` (snapshot first, then recomputes), its body, its restore section ``[restore, exit)``."""
+
+    role: str
+    enter: int
+    applied: int
+    restore: int
+    exit: int
+
+
+class _Window:
+    """The runner's refresh switch around a replay, closed around an eager region that used the
+    state at capture (there, at capture, no switch was open) and opened again after it."""
+
+    __slots__ = ("make", "open")
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make, self.open = make, None
+
+    def __enter__(self) -> _Window:
+        sw = self.make()
+        sw.__enter__()
+        self.open = sw
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sw, self.open = self.open, None
+        if sw is not None:
+            sw.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def closed(self) -> Iterator[None]:
+        self.__exit__(None, None, None)
+        yield  # a region that raised leaves it closed: the replay is over
+        self.__enter__()
 
 
 class BucketGraph:
@@ -24,11 +69,16 @@ class BucketGraph:
 
     __slots__ = ("graph", "out_flat", "out_spec", "out_rows", "single", "manifest", "segments", "draft",
                  "checked", "capture_ms", "replays", "eager_runs", "replay_us", "eager_us", "_sliced", "bucket",
-                 "last_where", "_held", "_sets", "_calls")
+                 "last_where", "_held", "_sets", "_calls", "spans", "_state", "_window", "_device")
 
     def __init__(self, graph, out, bucket: int, manifest: dict[str, int], segments: tuple[Segment, ...],
-                 capture_ms: float, per_items: frozenset[int]) -> None:
+                 capture_ms: float, per_items: frozenset[int], spans: tuple[Span, ...] = (),
+                 device: str | None = None) -> None:
         self.graph = graph
+        self.spans = spans
+        self._device = device  # the device type whose switch work the graph recorded (None: all of it)
+        self._state: Any = None  # the bound state and refresh window of the replay running now
+        self._window: _Window | None = None
         self.bucket = bucket
         self.last_where = "?"  # the user's line of the last replay (recorded under GRAPHCTL_CHECK_OUTPUTS)
         self.out_flat, self.out_spec = tree_flatten(out)
@@ -54,21 +104,39 @@ class BucketGraph:
         self._sets: dict[tuple[int, int], tuple] = {}  # (n, parity) -> (objects returned, their refcounts)
         self._calls = 0
 
-    def replay(self, state: Any) -> None:
-        """Replay the graph. A replay the emulated backend stopped at an op inside or after a
-        recorded switch (an op raising: out of memory, a device error, a profiler hook) may have
-        left draft contents in place with the switch's restore never run: the state is poisoned,
-        as after a failed restore, and the op's exception is the cause. A CUDA launch runs
-        whole or not at all (``failed_at`` stays None)."""
+    def replay(self, state: Any, refresh: Callable[[], Any] | None = None) -> None:
+        """Replay the graph (see the module docstring); ``refresh()`` makes the runner's refresh
+        switch, open around the replay (None: no switch around it)."""
+        self._state = state
         try:
-            self.graph.replay()
-        except Exception as exc:
-            at = self.graph.failed_at
-            first = min((s.start for s in self.segments if s.name.startswith("draft")), default=None)
-            if state is None or at is None or first is None or at < first:
-                raise  # nothing of a switch ran yet: the state is as it was
-            raise state._poison([(f"bucket {self.bucket}'s replay, stopped at recorded op {at} after its draft "
-                                  f"switch began", exc)]) from exc
+            if refresh is None:
+                self.graph.replay(self)
+            else:
+                with _Window(refresh) as self._window:
+                    self.graph.replay(self)
+        finally:
+            self._state = self._window = None
+
+    def region(self, region: Any) -> contextlib.AbstractContextManager[None]:
+        """The hook around an eager region's call (``graphs/backends/hooks.py``)."""
+        if region.uses_state and self._window is not None:
+            return self._window.closed()
+        return contextlib.nullcontext()
+
+    def failed(self, at: int, inside: bool | None, exc: BaseException, what: str) -> None:
+        """The hook of a replay stopped at ``at`` (see ``graphs/backends/hooks.py``)."""
+        st = self._state
+        if st is None:
+            return
+        span = next((s for s in self.spans if s.enter <= at < s.exit), None)
+        if inside is None and span is None or inside is False:
+            return  # no recorded switch open there: the state is as the forward left it, the exception itself
+        partial = inside is None and span is not None and span.enter <= at < span.applied and \
+            what == "graphctl::swap_through_"
+        switch = f"the '{span.role}' switch" if span is not None else "the switch"
+        st.recover_recorded(f"{switch} recorded in bucket {self.bucket}'s graph, its replay stopped at {what} "
+                            f"(recorded {'op' if inside is None else 'node'} {at}) by {type(exc).__name__}",
+                            exc, partial, self._device)
 
     def result(self, n: int, copy: bool, check: bool) -> Any:
         """What a call returns: the outputs sliced to ``n`` (views of the static outputs), fresh
@@ -127,6 +195,7 @@ def settle_slicing(caps: Sequence[BucketGraph]) -> None:
 
 def segments_from_marks(marks: list[tuple[str, int]], total: int) -> tuple[Segment, ...]:
     """Turn switch enter/exit marks into named segments: target, draft (or draft[i]), post."""
+    marks = [(e, at) for e, at in marks if e in ("enter", "exit")]
     segs: list[Segment] = []
     cursor, drafts = 0, sum(1 for e, _ in marks if e == "enter")
     i = 0
@@ -141,6 +210,19 @@ def segments_from_marks(marks: list[tuple[str, int]], total: int) -> tuple[Segme
     if total > cursor or not segs:
         segs.append(Segment("target" if not marks else "post", cursor, max(total, cursor)))
     return tuple(segs)
+
+
+def spans_from_marks(marks: list[tuple[str, int]]) -> tuple[Span, ...]:
+    """The recorded switches (enter, applied, restore, exit marks in order), named as their segments."""
+    spans, cur = [], {}
+    n = sum(1 for e, _ in marks if e == "enter")
+    for event, at in marks:
+        cur[event] = at
+        if event == "exit" and {"enter", "applied", "restore"} <= cur.keys():
+            role = "draft" if n == 1 else f"draft[{len(spans)}]"
+            spans.append(Span(role, cur["enter"], cur["applied"], cur["restore"], at))
+            cur = {}
+    return tuple(spans)
 
 
 @contextlib.contextmanager

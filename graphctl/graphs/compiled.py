@@ -41,12 +41,15 @@ from graphctl.errors import DeclarationError
 __all__ = ["unwrap", "is_compiled", "eager", "Counters", "refuse_inductor_graphs", "never_compiled"]
 
 _ORIG = "_torchdynamo_orig_callable"  # set by torch.compile on the function it returns
+_DISABLED = "_torchdynamo_disable"  # set by torch.compiler.disable (which sets _ORIG too)
 _CALLS = (torch.nn.Module.__call__, torch.nn.Module._wrapped_call_impl, torch.nn.Module._call_impl)
 
 
 def is_compiled(obj: Any) -> bool:
-    """A compiled module, or a function ``torch.compile`` returned."""
-    return isinstance(obj, OptimizedModule) or (isinstance(obj, types.FunctionType) and _ORIG in vars(obj))
+    """A compiled module, or a function ``torch.compile`` returned (not one ``torch.compiler.disable``
+    returned, such as an ``@graphctl.eager`` region: dynamo never compiles it)."""
+    return isinstance(obj, OptimizedModule) or (isinstance(obj, types.FunctionType) and _ORIG in vars(obj)
+                                                and not vars(obj).get(_DISABLED))
 
 
 def unwrap(fn: Any) -> Any:
@@ -106,7 +109,7 @@ def never_compiled(fn: Any, found: Iterable[Any]) -> list[str]:
 
     out = []
     for path, obj in [("forward", fn), *((s.path, s.obj) for s in found)]:
-        if not (isinstance(obj, types.FunctionType) and _ORIG in vars(obj)):
+        if not is_compiled(obj) or isinstance(obj, OptimizedModule):
             continue
         user = unwrap(obj)
         code = getattr(user.__func__ if inspect.ismethod(user) else user, "__code__", None)

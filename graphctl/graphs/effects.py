@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphctl.errors import CaptureError
+from graphctl.graphs import pieces
 from graphctl.graphs.frames import user_frame
 from graphctl.graphs.journal import Journal, arguments, fresh_results, op_tensors, storage_bytes
 from graphctl.graphs.randomness import RandomUse, random_use
@@ -150,6 +151,8 @@ class WriteTracker(TorchDispatchMode):
         self.born: set[tuple[str, int]] = set()  # storages an op of this run produced
         self.external: dict[tuple[str, int], Unreached] = {}  # read before any op produced them
         self.before: dict[tuple[str, int], torch.Tensor] = {}  # the tensors behind ``external``
+        # eager regions' boundaries (graphs/pieces.py): a tensor a region made, kept and a piece read
+        self.boundaries = pieces.Boundaries() if not lean else None
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -194,11 +197,14 @@ class WriteTracker(TorchDispatchMode):
             if self.tainted:
                 self._check_index(func, args, kwargs, self.found[key].path)
         out = func(*args, **kwargs)
-        for _, t in fresh_results(func, out):
+        made = [t for _, t in fresh_results(func, out)]
+        for t in made:
             key = storage_key(t)
             self.born.add(key)
             self.external.pop(key, None)  # an address freed and handed out again: a new storage
             self.before.pop(key, None)
+        if self.boundaries is not None and (self.boundaries.depth or self.boundaries.born):
+            self.boundaries.op(name, op_tensors(args, kwargs), made, user_frame)
         if self.tainted:  # integer results computed from a padded input carry its padded rows on
             src = next((self.tainted[k] for t in op_tensors(args, kwargs)
                         if _integral(t) and (k := storage_key(t)) in self.tainted), None)
@@ -254,6 +260,7 @@ class Ledger:
         self.random: dict[Any, RandomUse] = {}  # draws from default or undeclared generators, first seen
         self.generators: list[tuple[torch.Generator, torch.Tensor]] = []  # undeclared ones, state before
         self.before: dict[tuple[str, int], weakref.ref] = {}  # the tensors behind ``external``, while they live
+        self.published: list[pieces.Published] = []  # tensors eager regions kept to themselves that pieces read
 
     @property
     def effects(self) -> tuple[SideEffect, ...]:
@@ -274,6 +281,11 @@ class Ledger:
         self.unreached = ()
         self.random.clear()
         self.generators.clear()
+        self.published.clear()
+
+    def before_tensors(self) -> list[torch.Tensor]:
+        """The tensors the tracked runs read that existed before them, while they live."""
+        return [t for ref in self.before.values() if (t := ref()) is not None]
 
     def written(self) -> list[tuple[SideEffect, torch.Tensor]]:
         """Each restored side effect with the tensor at its path (what ``verify()`` compares)."""
@@ -298,7 +310,7 @@ class Ledger:
         tracker = WriteTracker(self.later(watched) if lean else watched, owned | set(self.found), padded, lean,
                                self.declared + [g for g, _ in self.generators], journaled)
         try:
-            with tracker:
+            with tracker, pieces.listening(tracker.boundaries):
                 run()
         finally:
             drop_mode(tracker)  # an interrupt at the with-statement's exit skips its __exit__
@@ -322,6 +334,9 @@ class Ledger:
             self.external.setdefault(k, u)
         for k, t in tracker.before.items():
             self.before.setdefault(k, weakref.ref(t))
+        if tracker.boundaries is not None:
+            self.published += tracker.boundaries.found.values()
+            tracker.boundaries = None
         # GC is off during capture_all: drop the tracker's references now, or every tensor it
         # watched would look held by someone (the audit would call a freed temporary "live")
         for held in (tracker.tainted, tracker._alive, tracker.born, tracker.watched, tracker.saved, tracker.before,

@@ -39,7 +39,7 @@ from graphctl.errors import CaptureError
 from graphctl.graphs import compiled, hoststate, pieces, reach, rebinding
 from graphctl.graphs.analysis.audit import param_tensors
 from graphctl.graphs.analysis.nodes import Region
-from graphctl.graphs.bucket import BucketGraph, gc_held, segments_from_marks, settle_slicing
+from graphctl.graphs.bucket import BucketGraph, gc_held, segments_from_marks, settle_slicing, spans_from_marks
 from graphctl.graphs.capture import Capture
 from graphctl.graphs.effects import storage_key
 from graphctl.graphs.options import Options
@@ -230,12 +230,18 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
             shared.handle = pool
         if journaled and (be.capture_executes or pieces.calls() != met):  # the capture runs the forward's writes
             p.lasting = Snapshot(list(lasting.values()))
+        # memory that existed before the capture: a region returning some of it is an alias, never copied into
+        known = set(first.tensors) | _owned(p) | {storage_key(t) for t in _model_tensors(p.opts.params)} | \
+            {storage_key(t) for t in p.cap.ledger.before_tensors()}
+
+        def existing(t: torch.Tensor) -> bool:
+            return storage_key(t) in known
         t_start = time.perf_counter()
         for b in order:  # pass 2: largest first, so smaller graphs reuse its pool blocks
             given.restore()
             p.cap.load_example(arguments, b)
             dynamo = compiled.Counters.now()
-            graphs[b] = _capture_one(p, b, p.cap.call_args(arguments, b), pool, sites)
+            graphs[b] = _capture_one(p, b, p.cap.call_args(arguments, b), pool, existing)
             stats[b]["uncompiled"] += compiled.Counters.now().since(dynamo).frames
             if bar:
                 pool_mib = sum(c.graph.pool_bytes for c in graphs.values()) / 2**20
@@ -275,6 +281,13 @@ def _tracked_warmup(p: _Passes, call: tuple[tuple, dict], watched: dict, lean: b
                 stance.__exit__(None, None, None)
 
     pairs = p.cap.ledger.track(run, watched, owned, be.synchronize, None if lean else padded, lean, journaled)
+    if p.cap.ledger.published:
+        found = p.cap.ledger.published
+        raise CaptureError("an eager region publishes a tensor a later piece reads", buffer=found[0].region,
+                           expected="every tensor that crosses a region boundary returned by the region",
+                           found="; ".join(map(str, found)),
+                           fix="return the tensor from the region and use the returned one (a replay calls the region "
+                               "again, and the pieces read only what it returns)")
     for h in list(p.cap.ledger.hazards.values())[known:]:
         log.warning("graphctl: %s: %s", getattr(p.fn, "__qualname__", p.fn), h)
     if pairs:
@@ -285,40 +298,66 @@ def _tracked_warmup(p: _Passes, call: tuple[tuple, dict], watched: dict, lean: b
 
 
 def _capture_one(p: _Passes, bucket: int, call: tuple[tuple, dict], pool: Any,
-                 sites: list[reach.SiteLeaf]) -> BucketGraph:
+                 existing: Callable[[torch.Tensor], bool]) -> BucketGraph:
     marks: list[tuple[str, int]] = []
     be = p.cap.backend
-    fn = be.opaque(p.fn) if compiled.is_compiled(p.fn) else p.fn
 
     def body(mark: Callable[[], int]) -> Any:
         def observe(role: str, phase: str, event: str) -> None:
             if phase == "capture":
                 marks.append((event, mark()))
         if p.cap.state is None:
-            return fn(*call[0], **call[1])
-        with p.cap.state.observe(observe), pieces.boundary_check(lambda name: _no_open_switch(p.cap, name, bucket)):
-            return fn(*call[0], **call[1])
+            return p.fn(*call[0], **call[1])
+        with p.cap.state.observe(observe), pieces.watching(_Watch(p.cap, bucket)):
+            return p.fn(*call[0], **call[1])
 
     t0 = time.perf_counter()
     # the generators a CUDA capture must register: declared ones, and undeclared ones the warmups drew from
     gens = [*declared_generators(p.cap.state).values(), *(g for g, _ in p.cap.ledger.generators)]
     with p.cap.guard, p.lasting or contextlib.nullcontext():
-        graph, out = be.capture(body, pool, bucket, sites, gens)
+        graph, out = be.capture(body, pool, bucket, gens)
     ms = (time.perf_counter() - t0) * 1e3
+    for region in graph.regions:  # what later pieces wrote, and results on memory that existed before
+        region.seal(existing)
     return BucketGraph(graph, out, bucket, p.cap.manifest(), segments_from_marks(marks, graph.node_count), ms,
-                    frozenset({1} | {si.per_item for si in p.cap.inputs}))
+                       frozenset({1} | {si.per_item for si in p.cap.inputs}), spans_from_marks(marks),
+                       None if be.capture_executes else be.device.type)
 
 
-def _no_open_switch(cap: Capture, region: str, bucket: int) -> None:
-    """An eager region must not sit inside a switch (``graphs/pieces.py``): refused at capture."""
-    sw = cap.state.active_switch if cap.state is not None else None
-    if sw is not None:
-        raise CaptureError("a state.switch is open across an eager region", buffer=region,
-                           expected="every switch closed before an @graphctl.eager call",
-                           found=f"the switch to '{sw.role}' ({sw.phase}) open", bucket=bucket,
-                           fix="close the switch before the call and open another after it, open the switch inside "
-                               "the eager function, or declare @graphctl.eager(in_switch=True) if the function reads "
-                               "the state only through its arguments")
+class _Watch:
+    """The runner's checks at each eager region of one bucket's capture (``graphs/pieces.py``)."""
+
+    __slots__ = ("cap", "bucket")
+
+    def __init__(self, cap: Capture, bucket: int) -> None:
+        self.cap, self.bucket = cap, bucket
+
+    def admit(self, name: str, in_switch: bool) -> bool:
+        """No switch open across a region unless it is declared ``in_switch``; whether one is."""
+        sw = self.cap.state.active_switch if self.cap.state is not None else None
+        if sw is not None and not in_switch:
+            raise CaptureError("a state.switch is open across an eager region", buffer=name,
+                               expected="every switch closed before an @graphctl.eager call",
+                               found=f"the switch to '{sw.role}' ({sw.phase}) open", bucket=self.bucket,
+                               fix="close the switch before the call and open another after it, or open the switch "
+                                   "inside the eager function; declare @graphctl.eager(in_switch=True) only if the "
+                                   "function reads the state through its arguments alone")
+        return sw is not None
+
+    def uses(self) -> int:
+        return self.cap.state.uses if self.cap.state is not None else 0
+
+    def used(self, name: str, in_switch: bool) -> None:
+        """The region switched, wrote or padded the state: fine outside every switch (a replay
+        closes the runner's refresh switch around it), refused inside one."""
+        sw = self.cap.state.active_switch if self.cap.state is not None else None
+        if sw is not None:
+            raise CaptureError("an eager region inside a switch uses the state", buffer=name,
+                               expected="an in_switch region that reads the state through its arguments alone",
+                               found=f"state.switch, write or pad called inside the open '{sw.role}' switch",
+                               bucket=self.bucket,
+                               fix="move the write out of the region (before the switch, or in the piece around the "
+                                   "region), or close the switch before the region and let the region open its own")
 
 
 def _progress(show: bool | None) -> Any:

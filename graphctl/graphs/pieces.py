@@ -7,44 +7,74 @@ runs the function eagerly on real data (the emulated recorder has executed every
 capture replays the piece just ended first), keeps its results as the region's static outputs,
 and records the next piece, which reads them. A replay runs piece, region, piece, ...: each
 region calls the function again with the same arguments (the static tensors the previous pieces
-wrote, and the capture-time host values) and copies its fresh results into the static outputs.
+wrote, and the capture-time host values) and its fresh results reach the static outputs.
+
+For ``torch.compile`` the decorated function is a graph break (``torch.compiler.disable``): a
+compiled forward calling it is compiled as pieces around it, and captured as graphs of those
+pieces with the region between them. ``fullgraph=True`` cannot break there: refused by name.
 
 Constraints (each checked, a violation is a typed error):
 
 - Inside a region anything eager code may do is allowed: host syncs, data-dependent shapes,
-  other libraries; a nested ``@eager`` call is a plain call.
-- What crosses a boundary has static shape: every tensor a region returns at replay has the
-  capture's shape and dtype, and every host value it returns equals the capture's (later pieces
-  baked it in); otherwise ``ReplayError`` naming the region and the output. A returned tensor
-  that is one of its arguments (written in place) is not copied.
+  other libraries, exceptions (they propagate as themselves at replay too); a nested ``@eager``
+  call is a plain call.
+- What crosses a boundary is exact. A result that was a new tensor at capture is the static
+  storage the next piece reads: at every replay the result is copied there whatever it is (a
+  new tensor, an argument, another result), unless it aliases an argument or another result
+  that a later piece writes in place (``ReplayError``: the copy would hide that write). A result
+  that aliased an argument, another result or memory that existed before the capture is that
+  very memory for the next piece: at replay it must alias it the same way (``ReplayError``
+  naming region and output otherwise; return a new tensor, ``h.clone()``, in every branch).
+  Tensors keep the capture's shapes and dtypes and host results the capture's values (later
+  pieces baked them in).
+- A tensor a region makes and does not return, published elsewhere (``box.cache = h * 2``) and
+  read by a later piece, is found by the tracked warmup and refused (``CaptureError``): a replay
+  would read the capture's tensor while the region publishes a new one. Return it instead.
 - No ``state.switch`` is open across a region (the capture raises ``CaptureError``): a switch's
   host side (rebound attributes) is not replayed around an eager call, so a region looking up
   the state itself would see the target's objects under a draft switch. Open and close the
   switch inside one piece, or inside the region; or declare ``@eager(in_switch=True)`` for a
   region that reads the state only through its arguments (a replay passes the capture's: under
   the switch, the draft's objects; its device-side buffers hold what the pieces before it
-  wrote, the switch's swaps included).
-- A region runs under the replay's interrupt deferral (emulated) like every recorded op: a
-  Ctrl-C during it is raised once the replay ends.
+  wrote, the switch's swaps included). Such a region must not use the state (switch, write or
+  pad: ``CaptureError``). A region outside every switch may: a replay closes the runner's
+  refresh switch around it, so it sees the state as at capture.
+- A region is user code for interrupts: a replay holds a first Ctrl-C until the replay ends
+  (the state stays consistent), and a second one reaches a region that hangs; the runner then
+  restores any switch recorded open across it (``graphs/bucket.py``).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import ReplayError
+from graphctl.state.interrupts import in_user_code
 
-__all__ = ["eager", "is_eager", "calls", "EagerRegion", "regions", "boundary_check", "run_region", "saved", "restore"]
+__all__ = ["eager", "is_eager", "calls", "EagerRegion", "Published", "Boundaries", "Watch", "regions", "watching",
+           "listening", "admit", "run_region", "saved", "restore"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-_tls = threading.local()  # .region: the running capture's handler; .check: the runner's boundary check
+# .region: the running capture's handler; .watch: the runner's per-capture checks; .listener: a tracked
+# warmup's Boundaries; .calls: plain region calls made so far
+_tls = threading.local()
+
+
+class Watch(Protocol):
+    """What the runner checks at each region of a capture (``graphs/passes.py``)."""
+
+    def admit(self, name: str, in_switch: bool) -> bool: ...  # before the piece ends: refuse an open switch;
+    # whether a switch is open across the region (an in_switch one)
+    def uses(self) -> int: ...  # the state's use count (switch, write, pad), to tell whether a region used it
+    def used(self, name: str, in_switch: bool) -> None: ...  # the region used the state: refuse where it must not
 
 
 def eager(fn: F | None = None, /, *, in_switch: bool = False) -> Any:
@@ -54,19 +84,30 @@ def eager(fn: F | None = None, /, *, in_switch: bool = False) -> Any:
     to read the state only through its arguments, which a replay passes as the capture saw them
     (under the switch: the draft's objects), never through attributes it looks up itself."""
     def wrap(f: F) -> F:
+        name = _name(f)
+
         @functools.wraps(f)
         def call(*args: Any, **kwargs: Any) -> Any:
             handler = getattr(_tls, "region", None)
             if handler is None:
                 _tls.calls = getattr(_tls, "calls", 0) + 1  # a warmup met a region (calls())
-                return f(*args, **kwargs)
-            check = getattr(_tls, "check", None)
-            if check is not None and not in_switch:
-                check(_name(f))
-            return handler(f, args, kwargs)
+                listener = getattr(_tls, "listener", None)
+                if listener is None:
+                    return f(*args, **kwargs)
+                listener.enter(name, args, kwargs)
+                out = None
+                try:
+                    out = f(*args, **kwargs)
+                finally:
+                    listener.leave(out)
+                return out
+            return handler(f, args, kwargs, in_switch)
 
-        call.__graphctl_eager__ = f  # type: ignore[attr-defined]
-        return call  # type: ignore[return-value]
+        # dynamo never traces into a region: a compiled caller breaks its graph here and calls it as Python
+        out = torch.compiler.disable(call, recursive=True)
+        out.__graphctl_eager__ = f  # type: ignore[attr-defined]
+        out.__graphctl_in_switch__ = in_switch  # type: ignore[attr-defined]
+        return out  # type: ignore[return-value]
 
     return wrap if fn is None else wrap(fn)
 
@@ -87,14 +128,14 @@ def _name(fn: Any) -> str:
 
 
 def saved() -> tuple[Any, Any]:
-    """This thread's handler and check, for :func:`restore` in a backend's ``finally``: a Ctrl-C
+    """This thread's handler and watch, for :func:`restore` in a backend's ``finally``: a Ctrl-C
     landing inside the cleanup of :func:`regions` could skip its reset, and every later eager
     call (a warmup's) would then reach a dead capture."""
-    return getattr(_tls, "region", None), getattr(_tls, "check", None)
+    return getattr(_tls, "region", None), getattr(_tls, "watch", None)
 
 
 def restore(state: tuple[Any, Any]) -> None:
-    _tls.region, _tls.check = state
+    _tls.region, _tls.watch = state
 
 
 @contextlib.contextmanager
@@ -108,22 +149,36 @@ def _installed(slot: str, value: Any) -> Iterator[None]:
         setattr(_tls, slot, prev)
 
 
-def regions(handler: Callable[[Callable[..., Any], tuple, dict], Any]) -> contextlib.AbstractContextManager[None]:
-    """While a backend captures in this thread: ``handler(fn, args, kwargs)`` takes every
-    ``@eager`` call (ends the piece, runs the region, begins the next piece)."""
+def regions(handler: Callable[[Callable[..., Any], tuple, dict, bool], Any]) -> contextlib.AbstractContextManager[None]:
+    """While a backend captures in this thread: ``handler(fn, args, kwargs, in_switch)`` takes
+    every ``@eager`` call (ends the piece, runs the region, begins the next piece)."""
     return _installed("region", handler)
 
 
-def boundary_check(check: Callable[[str], None] | None) -> contextlib.AbstractContextManager[None]:
-    """``check(region name)`` before every region of the capture running in this thread (the
-    runner refuses a switch open across a boundary)."""
-    return _installed("check", check)
+def watching(watch: Watch | None) -> contextlib.AbstractContextManager[None]:
+    """The runner's :class:`Watch` over every region of the capture running in this thread."""
+    return _installed("watch", watch)
 
 
-def run_region(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, EagerRegion]:
+def listening(listener: Boundaries | None) -> contextlib.AbstractContextManager[None]:
+    """A tracked warmup's :class:`Boundaries`, told of every plain region call in this thread."""
+    return _installed("listener", listener)
+
+
+def admit(fn: Callable[..., Any], in_switch: bool) -> bool:
+    """A backend's first step at a region, before its piece ends: the runner's checks (no switch
+    open across it unless ``in_switch``); whether a switch is open across it."""
+    watch = getattr(_tls, "watch", None)
+    return watch.admit(_name(fn), in_switch) if watch is not None else False
+
+
+def run_region(fn: Callable[..., Any], args: tuple, kwargs: dict, in_switch: bool = False,
+               inside: bool = False) -> tuple[Any, EagerRegion]:
     """Run ``fn`` eagerly (a nested ``@eager`` call inside is a plain one); its result and the
-    :class:`EagerRegion` a replay calls."""
+    :class:`EagerRegion` a replay calls. ``inside``: a switch is open across it (:func:`admit`)."""
     prev = getattr(_tls, "region", None)
+    watch = getattr(_tls, "watch", None)
+    before = watch.uses() if watch is not None else 0
     _tls.region = None
     try:
         t0 = time.perf_counter()
@@ -131,25 +186,89 @@ def run_region(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, 
         first_us = (time.perf_counter() - t0) * 1e6
     finally:
         _tls.region = prev
-    return out, EagerRegion(fn, args, kwargs, out, first_us)
+    uses = watch is not None and watch.uses() != before
+    if uses:
+        watch.used(_name(fn), in_switch)  # type: ignore[union-attr]
+    return out, EagerRegion(fn, args, kwargs, out, first_us, uses, inside)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
 
 
 class EagerRegion:
-    """One eager call between two pieces: called again at every replay, its fresh results copied
-    into the capture-time outputs (the static storage the next piece reads)."""
+    """One eager call between two pieces: called again at every replay, its fresh results reach
+    the capture-time outputs (the static storage the next piece reads). ``outputs``: the static
+    tensors, in result order. Per result the capture fixed a kind: ``own`` (a new tensor at
+    capture: the replay copies into it), ``alias`` (an argument, another result or memory that
+    existed before: the replay's result must be that memory again) or ``host`` (a value later
+    pieces baked in)."""
 
-    __slots__ = ("fn", "name", "args", "kwargs", "outputs", "fresh", "host", "calls", "seconds", "capture_us")
+    __slots__ = ("fn", "name", "args", "kwargs", "outputs", "kinds", "host", "count", "calls", "seconds",
+                 "capture_us", "uses_state", "inside", "_arg_storages", "_versions", "_strict", "_described")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: Any, capture_us: float) -> None:
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: Any, capture_us: float,
+                 uses_state: bool = False, inside: bool = False) -> None:
         self.fn, self.name, self.args, self.kwargs = fn, _name(fn), args, kwargs
-        self.capture_us = capture_us
+        # uses_state: it switched, wrote or padded the state at capture; inside: a switch was open across it
+        self.capture_us, self.uses_state, self.inside = capture_us, uses_state, inside
         flat, _ = tree_flatten(out)
-        mine = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        self.count = len(flat)
         self.outputs = tuple(t for t in flat if isinstance(t, torch.Tensor))  # static: the next piece reads them
-        # (index, static tensor) of results a replay copies; an argument written in place is already there
-        self.fresh = tuple((i, t) for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and id(t) not in mine)
         self.host = tuple((i, v) for i, v in enumerate(flat) if not isinstance(v, torch.Tensor))
+        args_flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        self._arg_storages = {_storage(t): j for j, t in enumerate(args_flat)}
+        kinds: list[tuple] = []
+        seen: dict[int, int] = {}  # storage -> the first result on it
+        for i, v in enumerate(flat):
+            if not isinstance(v, torch.Tensor):
+                continue
+            st = _storage(v)
+            if st in self._arg_storages:
+                kinds.append((i, "alias", _geometry(v), f"argument {self._arg_storages[st]}"))
+            elif st in seen:
+                kinds.append((i, "alias", _geometry(v), f"result {seen[st]}"))
+            else:
+                kinds.append((i, "own", v))
+            seen.setdefault(st, i)
+        self.kinds = tuple(kinds)
+        # versions right after the region returned: seal() learns which the later pieces write in place
+        self._versions = ([(i, v._version) for i, _, v in (k for k in kinds if k[1] == "own")],
+                          [(t, t._version) for t in args_flat])
+        self._strict: frozenset[int] = frozenset()  # own results whose aliasing at replay must be refused
+        self._described = ""
         self.calls, self.seconds = 0, 0.0
+
+    def seal(self, existing: Callable[[torch.Tensor], bool]) -> None:
+        """At the end of the capture: own results on memory that ``existing`` says was there
+        before the capture (a model's buffer the region returned) become aliases (a replay must
+        return that very memory: copying into it would change the caller's tensor), and the
+        own results that a later piece writes in place, or whose replay result may alias an
+        argument a later piece writes, are refused at replay when they alias anything."""
+        own_versions, arg_versions = self._versions
+        written_args = [t for t, v in arg_versions if t._version != v]
+        kinds, strict = [], set()
+        before = dict(own_versions)
+        for k in self.kinds:
+            if k[1] == "own" and existing(k[2]):
+                kinds.append((k[0], "alias", _geometry(k[2]), "memory that existed before the capture"))
+                continue
+            if k[1] == "own" and (k[2]._version != before.get(k[0]) or written_args):
+                strict.add(k[0])
+            kinds.append(k)
+        self.kinds, self._strict, self._versions = tuple(kinds), frozenset(strict), ([], [])
+        if written_args:
+            self._described = "an argument of the region that a later piece writes in place"
+
+    def repointed(self, args: tuple, kwargs: dict) -> None:
+        """A re-pointed graph passes these arguments from now on (``graphs/repoint.py``)."""
+        self.args, self.kwargs = args, kwargs
+        self._arg_storages = {_storage(t): j for j, t in enumerate(
+            t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))}
 
     @property
     def mean_us(self) -> float | None:
@@ -158,26 +277,113 @@ class EagerRegion:
 
     def run(self, *args: Any, **kwargs: Any) -> None:
         """One replay's call, with ``args``/``kwargs`` (the recorded ones: a re-pointed graph
-        passes its own)."""
+        passes its own), as user code for interrupts (a second Ctrl-C reaches it)."""
         t0 = time.perf_counter()
-        res = self.fn(*args, **kwargs)
+        with in_user_code():
+            res = self.fn(*args, **kwargs)
         flat, _ = tree_flatten(res)
+        if len(flat) != self.count:
+            raise self._error(None, f"{self.count} results", f"{len(flat)} results",
+                              "return the same structure at every call")
         for i, want in self.host:
-            got = flat[i] if i < len(flat) else "(missing)"
+            got = flat[i]
             if isinstance(got, torch.Tensor) or got != want:
-                raise ReplayError("an eager region returned another host value than at capture", buffer=self.name,
-                                  expected=f"output {i} = {want!r} (the pieces after it baked it in)",
-                                  found=repr(got)[:80], fix="return host values that do not change, or compute "
-                                                            "them outside the graphed forward")
-        for i, static in self.fresh:
-            got = flat[i] if i < len(flat) else None
-            if not isinstance(got, torch.Tensor) or got.shape != static.shape or got.dtype != static.dtype:
-                found = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else repr(got)[:80]
-                raise ReplayError("an eager region's output does not fit its static storage", buffer=self.name,
-                                  expected=f"output {i}: {tuple(static.shape)} {static.dtype}", found=found,
-                                  fix="return tensors of the capture's shapes (pad inside the region), or write "
-                                      "into an argument in place")
-            if got.data_ptr() != static.data_ptr():
-                static.copy_(got)
+                raise self._error(i, f"{want!r} (the pieces after it baked it in)", repr(got)[:80],
+                                  "return host values that do not change, or compute them outside the graphed forward",
+                                  "an eager region returned another host value than at capture")
+        for k in self.kinds:
+            i, got = k[0], flat[k[0]]
+            if not isinstance(got, torch.Tensor):
+                raise self._error(i, "a tensor", repr(got)[:80], "return a tensor in every branch")
+            if k[1] == "alias":
+                if _geometry(got) != k[2]:
+                    raise self._error(i, f"the memory of {k[3]}, as at capture (the pieces after it read it)",
+                                      "a tensor on other memory" if got.data_ptr() != k[2][0] else
+                                      f"{tuple(got.shape)} {got.dtype} there",
+                                      "return a new tensor in every branch (h.clone() where nothing changes), or "
+                                      "write the result into that argument in place in every branch",
+                                      "an eager region's result aliases other memory than at capture")
+                continue
+            static = k[2]
+            if got.shape != static.shape or got.dtype != static.dtype:
+                raise self._error(i, f"{tuple(static.shape)} {static.dtype}", f"{tuple(got.shape)} {got.dtype}",
+                                  "return tensors of the capture's shapes (pad inside the region), or write "
+                                  "into an argument in place", "an eager region's output does not fit its static "
+                                                               "storage")
+            if got.data_ptr() == static.data_ptr():
+                continue
+            if i in self._strict and self._aliases(got, flat, i):
+                raise self._error(i, "a new tensor, as at capture", "a tensor aliasing an argument or another result",
+                                  "return a new tensor (h.clone()): a later piece writes in place what this result "
+                                  f"aliases ({self._described or 'the result itself'}), which a copy would hide",
+                                  "an eager region's result aliases memory a later piece writes")
+            static.copy_(got)
         self.calls += 1
         self.seconds += time.perf_counter() - t0
+
+    def _aliases(self, got: torch.Tensor, flat: list, i: int) -> bool:
+        st = _storage(got)
+        return st in self._arg_storages or any(
+            isinstance(o, torch.Tensor) and j != i and _storage(o) == st for j, o in enumerate(flat))
+
+    def _error(self, i: int | None, expected: str, found: str, fix: str,
+               what: str = "an eager region returned another structure than at capture") -> ReplayError:
+        return ReplayError(what, buffer=self.name, expected=(f"output {i}: " if i is not None else "") + expected,
+                           found=found, fix=fix)
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """A tensor an eager region made and did not return, read by a later piece: a replay reads
+    the capture's tensor while the region publishes a new one."""
+
+    region: str
+    op: str  # the first op of a piece that used it
+    where: str  # that op's user file:line
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __str__(self) -> str:
+        return (f"a {self.dtype} tensor of shape {list(self.shape)} made inside eager region {self.region} and not "
+                f"returned, used by {self.op} at {self.where}")
+
+
+class Boundaries:
+    """The region boundaries of one tracked warmup (the write tracker feeds it every op): the
+    storages each region makes, which of them it returns, and every later use of one it kept to
+    itself by an op outside any region (:class:`Published`)."""
+
+    __slots__ = ("depth", "stack", "born", "found")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.stack: list[str] = []
+        self.born: dict[int, str] = {}  # storage -> the region that made it (not returned)
+        self.found: dict[int, Published] = {}
+
+    def enter(self, name: str, args: tuple, kwargs: dict) -> None:
+        if not self.depth:  # a region's arguments are baked at capture: one the region before made is stale
+            self.op(f"an argument of eager region {name}", [t for t in tree_flatten((args, kwargs))[0]
+                                                            if isinstance(t, torch.Tensor)], [], lambda: "-")
+        self.stack.append(name)
+        self.depth += 1
+
+    def leave(self, out: Any) -> None:
+        self.depth -= 1
+        self.stack.pop()
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.born.pop(_storage(t), None)  # returned: it crosses the boundary as a result
+
+    def op(self, name: str, used: list[torch.Tensor], made: list[torch.Tensor], where: Callable[[], str]) -> None:
+        if self.depth:
+            for t in made:
+                self.born[_storage(t)] = self.stack[0]
+            return
+        for t in used:
+            st = _storage(t)
+            if st in self.born and st not in self.found:
+                self.found[st] = Published(self.born[st], name, where(), tuple(t.shape),
+                                           str(t.dtype).removeprefix("torch."))
+        for t in made:  # a piece's op made it: an address handed out again is a new storage
+            self.born.pop(_storage(t), None)

@@ -218,12 +218,10 @@ class GraphRunner:
     def _replay(self, graph: BucketGraph, cap: Capture) -> None:
         state = cap.state
         if graph.draft and cap.refreshes and state is not None:
-            if self._agreement is not None:  # a refresh that fails on one rank restores on all, before any replay
-                with agreed_switch(state, "draft", self._agreement, phase="refresh"):
-                    graph.replay(state)
-            else:
-                with state.switch("draft", phase="refresh"):
-                    graph.replay(state)
+            # the draft twins' refreshes around the replay (closed around a region that uses the state: bucket.py);
+            # with group=, a refresh that fails on one rank restores on all, before any replay
+            graph.replay(state, functools.partial(state.switch, "draft", phase="refresh") if self._agreement is None
+                         else functools.partial(agreed_switch, state, "draft", self._agreement, phase="refresh"))
         else:
             graph.replay(state)
         graph.replays += 1

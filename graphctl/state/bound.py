@@ -26,7 +26,7 @@ import torch
 from graphctl import ops
 from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitchError, SwitchError
 from graphctl.knobs import knobs
-from graphctl.state import paths, writes
+from graphctl.state import paths, recorded, writes
 from graphctl.state.arena import allocate_arenas, make_groups
 from graphctl.state.interrupts import deferred, in_user_code
 from graphctl.state.native import native_step
@@ -97,6 +97,7 @@ class BoundState:
         self._user_hook: Callable[[str], None] | None = None  # test seam: runs as a user callable starts
         self._hooked_native = False  # test seam: hooks fire around the native step instead of forcing Python steps
         self._observers: list[Callable[[str, str, str], None]] = []
+        self.uses = 0  # switches, writes and pads so far (a runner tells whether an eager region used the state)
         self._scratch: dict[str, torch.Tensor] = {}
         self._step_cache: dict[str, tuple[Step, ...]] = {}
         self._traced: TracedSwitch | None = None  # the switch a compiled function is in (state/traced.py)
@@ -244,6 +245,7 @@ class BoundState:
             raise self._busy("switch")
         self._begin_use("switch")
         me = threading.get_ident()
+        self.uses += 1
         if not self._lock.acquire(blocking=False):
             if self._owner == me and self._active is not None:
                 raise NestedSwitchError("switch entered while another switch is active on this state",
@@ -271,6 +273,7 @@ class BoundState:
     def _owned(self, what: str) -> Iterator[None]:
         """Own the state for a write/pad: inside this thread's active switch it already is."""
         me = threading.get_ident()
+        self.uses += 1
         if self._owner == me:
             yield
             return
@@ -342,20 +345,12 @@ class BoundState:
                 return self._fingerprints(sw.phase)
         return None
 
-    def _stale_inside(self, sw: Switch) -> Exception | None:
-        """Under ``GRAPHCTL_CHECK_STALE``, at a switch's exit before its restore: a derived buffer
-        no longer equal to ``fn(inputs)`` (an input written in place inside the switch, e.g.
-        ``meta.seq_lens.fill_(1)``, which the restore would hide). Returned, never raised here."""
-        if sw.phase == "capture" or not _KNOBS["check_stale"]:
-            return None
-        try:
-            err = writes.first_stale(self)
-        except Exception as exc:  # a Recompute fn that raised in the check: reported after the restore, which runs
-            exc.add_note("raised by GRAPHCTL_CHECK_STALE's check at a switch's exit; the switch was restored")
-            return exc
-        if err is not None:
-            err.add_note(f"found at the exit of the '{sw.role}' switch ({sw.phase}), before its restore")
-        return err
+    def _stale_inside(self, sw: Switch) -> Exception | None:  # GRAPHCTL_CHECK_STALE at a switch's exit
+        return writes.stale_at_exit(self, sw) if sw.phase != "capture" and _KNOBS["check_stale"] else None
+
+    def _notify(self, sw: Switch, event: str) -> None:  # "applied" after the entry, "restore" before the undo
+        for observe in self._observers:
+            observe(sw.role, sw.phase, event)
 
     def _leave(self, sw: Switch, failed: bool) -> list[tuple[str, BaseException]]:
         """The policy on exit, after every step was undone: observers hear of it (one raising
@@ -376,8 +371,9 @@ class BoundState:
 
     @contextlib.contextmanager
     def observe(self, callback: Callable[[str, str, str], None]) -> Iterator[None]:
-        """Call ``callback(role, phase, "enter" | "exit")`` at every switch boundary inside the
-        region (the graph runner marks segment boundaries with it)."""
+        """Call ``callback(role, phase, event)`` at every switch boundary inside the region:
+        ``"enter"`` before the entry, ``"applied"`` after it, ``"restore"`` before the undo and
+        ``"exit"`` after it (the graph runner marks segments and their entry and exit sections)."""
         self._observers.append(callback)
         try:
             yield
@@ -443,6 +439,10 @@ class BoundState:
         """Debug: recompute every derived buffer into scratch and raise ``StaleBufferError``
         on the first one that differs from the live buffer. Host sync; not for captures."""
         writes.check(self)
+
+    def recover_recorded(self, where: str, cause: BaseException, partial: bool, device_type: str | None) -> None:
+        """A graph replay stopped inside a switch it recorded (``where``): see ``state/recorded.py``."""
+        recorded.recover(self, where, cause, partial, device_type)
 
     def _fingerprints(self, phase: str) -> list[list[int]]:
         return [ops.fingerprint(g.statics).tolist() for g in self._groups[phase]]

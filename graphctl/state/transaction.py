@@ -82,6 +82,7 @@ class Owner(Protocol):
     def _claim(self, sw: Switch) -> None: ...  # own the state for ``sw``, or raise (nothing changed)
     def _release(self, sw: Switch) -> None: ...
     def _enter(self, sw: Switch) -> Any: ...  # entry checks and observers; what _leave verifies against
+    def _notify(self, sw: Switch, event: str) -> None: ...  # observers: "applied" (entry done), "restore" (undo next)
     def _leave(self, sw: Switch, failed: bool) -> Failures: ...  # exit observers and verification
     def _stale_inside(self, sw: Switch) -> Exception | None: ...  # a derived buffer stale at exit (knob)
     def _steps(self, phase: str) -> tuple[Step, ...]: ...
@@ -141,6 +142,7 @@ class Switch:
                                 raise
                             self.applied.append(step)
                         st._hook("apply", step.name, "after")
+                    st._notify(self, "applied")
                 except BaseException as exc:
                     failures = self._unwind() + partial
                     if partial:
@@ -230,7 +232,12 @@ class Switch:
         st = self.state
         with deferred():
             stale = st._stale_inside(self)  # before the restore hides it (never raises)
-            failures = self._undo("restore")
+            failures: Failures = []
+            try:
+                st._notify(self, "restore")
+            except BaseException as err:  # an observer that raises never skips the restore
+                failures.append(("observer (restore)", err))
+            failures += self._undo("restore")
             st._release(self)
             failures += st._leave(self, bool(failures))
             if failures:

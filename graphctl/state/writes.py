@@ -251,6 +251,20 @@ def check(st: StateCore) -> None:
         raise err
 
 
+def stale_at_exit(st: StateCore, sw: Any) -> Exception | None:
+    """Under ``GRAPHCTL_CHECK_STALE``, at a switch's exit before its restore: a derived buffer
+    no longer equal to ``fn(inputs)`` (an input written in place inside the switch, e.g.
+    ``meta.seq_lens.fill_(1)``, which the restore would hide). Returned, never raised here."""
+    try:
+        err = first_stale(st)
+    except Exception as exc:  # a Recompute fn that raised in the check: reported after the restore, which runs
+        exc.add_note("raised by GRAPHCTL_CHECK_STALE's check at a switch's exit; the switch was restored")
+        return exc
+    if err is not None:
+        err.add_note(f"found at the exit of the '{sw.role}' switch ({sw.phase}), before its restore")
+    return err
+
+
 def first_stale(st: StateCore) -> StaleBufferError | None:
     """The first derived buffer that differs from ``fn(inputs)`` recomputed into scratch, as an error."""
     for name in st.plan.order:

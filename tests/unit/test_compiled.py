@@ -1,8 +1,10 @@
-"""Compiled forwards under @graphed (issue 28): the compiled artifact runs in the warmups and the capture (counted by
-a backend that counts its calls), the replay equals eager, side effects are undone, and the user's function still
-runs compiled afterwards; Inductor's own CUDA graphs are refused; frames dynamo must convert during the capture are
-counted and reported. Each test failed before graphctl learned about torch.compile (the tracker's dispatch mode made
-dynamo run the forward uncompiled, and the reach stopped at the compile wrapper)."""
+"""Compiled forwards under @graphed (issue 28): the compiled artifact runs in the warmups (counted by a backend that
+counts its calls; a CUDA capture records its kernels: tests/cuda), the replay equals eager, side effects are undone,
+and the user's function still runs compiled afterwards; Inductor's own CUDA graphs are refused; frames dynamo must
+convert during a CUDA capture are counted and reported. Each test failed before graphctl learned about torch.compile
+(the tracker's dispatch mode made dynamo run the forward uncompiled, and the reach stopped at the compile wrapper).
+The emulated backend records a compiled callable as the code it compiles (issue 51: what a CUDA capture holds, host
+syncs refused at their line, host values baked), so its replay calls no compiled artifact."""
 from __future__ import annotations
 
 import logging
@@ -58,11 +60,13 @@ def test_compiled_function_runs_compiled_in_warmup_and_capture_and_stays_compile
     STEPS.zero_()
     f.capture_all(x, w)
     ran = calls["n"]
-    assert ran >= 4, ran  # one compiling warmup and one recorded call per bucket, at least
+    assert ran >= 2, ran  # one compiled warmup per bucket, at least
     assert STEPS.item() == 0  # every warmup and capture undone
+    names = {n.name for n in f.nodes(4)}
+    assert {"aten::tanh", "aten::mm", "aten::add_.Tensor"} <= names, names  # the compiled code's ops, recorded one by one
     x2 = torch.randn(3, 6, generator=gen)
     out = f(x2, w).clone()
-    assert STEPS.item() == 1 and calls["n"] == ran + 1  # the replay called the compiled artifact
+    assert STEPS.item() == 1 and calls["n"] == ran  # the replay ran the recorded ops, as a graph would
     torch.testing.assert_close(out, torch.tanh(x2 @ w) * 2 + 1)
     rep = f.report()
     assert rep.compiled == ("forward",) and rep.uncompiled == 0 and all(
@@ -97,7 +101,7 @@ def test_plain_code_calling_a_compiled_module(name, gen):
 
     f = graphctl.graphed(fwd, buckets=[2, 4], backend="emulated", progress=False)
     f.capture_all(torch.randn(4, 6, generator=gen))
-    assert calls["n"] >= 4 and block.seen.item() == 0, (calls, block.seen)
+    assert calls["n"] >= 2 and block.seen.item() == 0, (calls, block.seen)
     assert "forward" not in vars(cm) or vars(cm)["forward"].__name__ != "call"  # the capture's rerouting undone
     x = torch.randn(2, 6, generator=gen)
     with torch.no_grad():
@@ -120,7 +124,7 @@ class Knob:
     calls = 0
 
 
-def test_a_frame_dynamo_converts_during_capture_is_counted_and_warned(gen, caplog):
+def test_a_frame_dynamo_converts_during_capture_is_counted_and_warned(backend, device, gen, caplog):
     knob = Knob()
 
     def fwd(x):
@@ -128,12 +132,16 @@ def test_a_frame_dynamo_converts_during_capture_is_counted_and_warned(gen, caplo
         return x * knob.calls
 
     cf = torch.compile(fwd, backend="aot_eager", dynamic=False)
-    f = graphctl.graphed(cf, buckets=[2], backend="emulated", progress=False, host_state="restore")
+    f = graphctl.graphed(cf, buckets=[2], backend=backend, progress=False, host_state="restore")
     with caplog.at_level(logging.WARNING, logger="graphctl"):
-        f.capture_all(torch.randn(2, 3, generator=gen))
+        f.capture_all(torch.randn(2, 3, generator=gen).to(device))
     rep = f.report()
-    assert rep.uncompiled >= 1 and "compiled frames run uncompiled: " in str(rep), str(rep)
-    assert any("during the capture" in r.getMessage() for r in caplog.records), caplog.text
+    assert "changed host state" in caplog.text and "knob.calls" in caplog.text, caplog.text  # either way: reported
+    if backend == "cuda":  # dynamo is asked during a CUDA capture, and cannot compile there
+        assert rep.uncompiled >= 1 and "compiled frames run uncompiled: " in str(rep), str(rep)
+        assert any("during the capture" in r.getMessage() for r in caplog.records), caplog.text
+    else:  # the emulated capture records the code dynamo compiles: dynamo is not asked, the value is baked
+        assert rep.uncompiled == 0, str(rep)
 
 
 def test_a_compiled_function_dynamo_skips_for_good_is_counted(gen, caplog):

@@ -15,6 +15,7 @@ from graphctl.errors import CaptureError
 from graphctl.graphs.analysis.nodes import Node, Region
 from graphctl.graphs.backends.cuda import CudaBackend
 from graphctl.graphs.backends.emulated import EmulatedBackend
+from graphctl.graphs.backends.hooks import ReplayHooks
 from graphctl.knobs import knobs
 
 __all__ = ["BackendDecl", "BACKENDS", "CapturedGraph", "GraphBackend", "select_backend", "unsupported_reasons"]
@@ -23,14 +24,13 @@ __all__ = ["BackendDecl", "BACKENDS", "CapturedGraph", "GraphBackend", "select_b
 class CapturedGraph(Protocol):
     """One captured bucket, as a backend hands it back."""
 
-    failed_at: int | None  # the node a replay that raised stopped at; None when it runs whole or not at all
     regions: tuple[Any, ...]  # eager regions between its pieces (graphs/pieces.py); () for a whole graph
 
     @property
     def node_count(self) -> int: ...
     @property
     def pool_bytes(self) -> int: ...
-    def replay(self) -> None: ...
+    def replay(self, hooks: ReplayHooks | None = None) -> None: ...  # hooks: graphs/backends/hooks.py
     def dot(self, path: str) -> None: ...  # Graphviz DOT (CUDA); the emulated graph says it has none
     def nodes(self) -> list[Node]: ...  # capture order, bodies nested (graphs/analysis/nodes.py)
     def memory_regions(self) -> list[Region]: ...  # pools and allocator blocks, for the audit
@@ -43,10 +43,8 @@ class GraphBackend(Protocol):
     ``warmup(body)`` runs ``body()`` eagerly as the capture will see it (CUDA: on the capture
     stream); ``capture(body, pool, bucket)`` records ``body(mark)`` into a graph sharing ``pool``
     (``mark()`` returns the number of nodes recorded so far: segment boundaries) and returns the
-    graph and ``body``'s output, or raises ``CaptureError`` having left nothing behind;
-    ``compiled`` are the compiled callables the forward reaches (``graphs/compiled.py``) and
-    ``opaque(fn)`` the callable to capture a compiled forward through: the emulated recorder records
-    each as one call, the CUDA backend captures their kernels as they are;
+    graph and ``body``'s output, or raises ``CaptureError`` having left nothing behind (compiled
+    code: the CUDA backend captures its kernels, the emulated one records the code it compiles);
     ``live_blocks()`` is the set of live allocator blocks ``(address, size)`` (workspaces that a
     warmup allocated and kept show up as the difference); ``new_pool()`` a memory pool for
     ``capture``; ``synchronize()`` waits for the device."""
@@ -57,8 +55,7 @@ class GraphBackend(Protocol):
 
     def warmup(self, body: Callable[[], Any]) -> Any: ...
     def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int,
-                compiled: Sequence[Any] = (), generators: Sequence[Any] = ()) -> tuple[CapturedGraph, Any]: ...
-    def opaque(self, fn: Callable[..., Any]) -> Callable[..., Any]: ...
+                generators: Sequence[Any] = ()) -> tuple[CapturedGraph, Any]: ...
     def live_blocks(self) -> set[tuple[int, int]]: ...
     def new_pool(self) -> Any: ...
     def synchronize(self) -> None: ...

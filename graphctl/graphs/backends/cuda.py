@@ -35,8 +35,10 @@ from graphctl.graphs.backends.cuda_nodes import (
     kernel_patches,
     read_cuda_nodes,
 )
+from graphctl.graphs.backends.hooks import ReplayHooks
 from graphctl.graphs.randomness import same_generator
 from graphctl.graphs.repoint import lookup
+from graphctl.state.interrupts import deferred
 from graphctl.state.phase import capture_invalidated
 
 __all__ = ["CudaBackend", "CudaGraph", "PiecewiseGraph", "refuse_nested_capture"]
@@ -89,7 +91,6 @@ class CudaGraph:
     def __init__(self, graph: torch.cuda.CUDAGraph, pool_bytes: int, order: list[int], pool: Any,
                  device: torch.device) -> None:
         self._graph = graph
-        self.failed_at: int | None = None  # a launch runs whole or not at all (see BucketGraph.replay)
         self.pool_bytes = pool_bytes
         self.order = order  # node handles in capture order (segments slice it)
         self.node_count = len(order) if order else -1
@@ -108,8 +109,8 @@ class CudaGraph:
         """Write the graph as Graphviz DOT (``cudaGraphDebugDotPrint``, verbose)."""
         dot_print(self._graph.raw_cuda_graph(), path)
 
-    def replay(self) -> None:
-        self._graph.replay()
+    def replay(self, hooks: ReplayHooks | None = None) -> None:
+        self._graph.replay()  # one launch: it runs whole or not at all, nothing to tell the hooks
 
     regions: tuple = ()  # a whole graph has no eager region (PiecewiseGraph has)
 
@@ -168,7 +169,6 @@ class PiecewiseGraph:
 
     def __init__(self, parts: list[CudaGraph], regions: list[pieces.EagerRegion], pool_bytes: int) -> None:
         self.parts, self.regions, self.pool_bytes = tuple(parts), tuple(regions), pool_bytes
-        self.failed_at: int | None = None  # the node offset of a region that raised (BucketGraph.replay)
         self.order = [h for p in parts for h in p.order]
         self.node_count = -1 if any(p.node_count < 0 for p in parts) else len(self.order)
         self._starts = []  # each region's node offset: where the pieces before it end
@@ -177,15 +177,31 @@ class PiecewiseGraph:
             n += max(p.node_count, 0)
             self._starts.append(n)
 
-    def replay(self) -> None:
-        self.failed_at = None
-        for i, part in enumerate(self.parts):
-            part.replay()
-            if i < len(self.regions):
-                reg = self.regions[i]
-                self.failed_at = self._starts[i]
-                reg.run(*reg.args, **reg.kwargs)
-                self.failed_at = None
+    def replay(self, hooks: ReplayHooks | None = None) -> None:
+        """Piece, region, piece, ... as one held section (a first Ctrl-C waits for the end, as for a
+        whole graph; regions are user code, so a second one reaches a region that hangs). A region
+        or launch that raises is told to ``hooks`` with whether a switch recorded in the pieces
+        was open there (the region's, or the one before the piece)."""
+        i, in_region = 0, False
+        with deferred():
+            try:
+                for i, part in enumerate(self.parts):
+                    in_region = False
+                    part.replay()
+                    if i < len(self.regions):
+                        reg, in_region = self.regions[i], True
+                        if hooks is None:
+                            reg.run(*reg.args, **reg.kwargs)
+                        else:
+                            with hooks.region(reg):
+                                reg.run(*reg.args, **reg.kwargs)
+            except BaseException as exc:
+                if hooks is not None:
+                    at = self._starts[i] if in_region else self._starts[i - 1] if i else 0
+                    inside = self.regions[i].inside if in_region else bool(i) and self.regions[i - 1].inside
+                    hooks.failed(at, inside, exc, f"eager region {self.regions[i].name}" if in_region
+                                 else f"the launch of piece {i}")
+                raise
 
     def nodes(self):
         return read_cuda_nodes(self.order)
@@ -256,13 +272,8 @@ class CudaBackend:
                                found="the default stream", fix="pass a torch.cuda.Stream()", bucket=bucket)
         refuse_nested_capture(bucket)
 
-    @staticmethod
-    def opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
-        return fn  # a compiled forward's kernels are captured like any others
-
     def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int,
-                compiled: Sequence[Any] = (), generators: Sequence[torch.Generator] = ()
-                ) -> tuple[CudaGraph | PiecewiseGraph, Any]:
+                generators: Sequence[torch.Generator] = ()) -> tuple[CudaGraph | PiecewiseGraph, Any]:
         """Capture ``body(mark)``; every ``@graphctl.eager`` call inside ends the piece captured so
         far, replays it (the region sees real data), runs the region and begins the next piece in
         the same pool (``graphs/pieces.py``): a :class:`PiecewiseGraph` when there was one. Each
@@ -302,10 +313,11 @@ class CudaBackend:
             m = live[1].mark() if live[1] is not None else -1
             return -1 if m < 0 or any(p.node_count < 0 for p in done) else m + sum(p.node_count for p in done)
 
-        def region(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        def region(fn: Callable[..., Any], args: tuple, kwargs: dict, in_switch: bool) -> Any:
+            inside = pieces.admit(fn, in_switch)
             end()
             done[-1].replay()  # the region runs on what the piece computes, as at every replay
-            out, reg = pieces.run_region(fn, args, kwargs)
+            out, reg = pieces.run_region(fn, args, kwargs, in_switch, inside)
             regions.append(reg)
             begin()
             return out

@@ -19,17 +19,19 @@ do not reach the dispatcher, so on a CPU-only machine they are invisible here; o
 they are device-to-host copies and are refused (so is every host read under a CUDA capture).
 graphctl's own ops are recorded as single ops.
 
-Compiled code (``torch.compile``) is recorded as one call per compiled callable the forward
-reaches (``graphs/compiled.py``): the recorder steps off the mode stack, the compiled artifact
-runs (Inductor's kernels are no dispatcher ops a recorder could see), and the replay calls it
-again with the same arguments, its fresh results copied into the capture-time outputs. Such a
-call re-reads the Python attributes its code reads at every replay, where a CUDA graph keeps the
-capture-time addresses: the runner's path check covers that difference. Everything else runs
-under the ``force_eager`` stance, so dynamo never meets the recorder.
+Compiled code (``torch.compile``) is captured as the code it compiles: the capture runs under the
+``force_eager`` stance (``graphs/compiled.py``), so every op of a compiled callable is recorded and
+checked like any other, a host sync inside it is refused at its line, and the host values it reads
+are baked into the recorded ops as a CUDA graph bakes them into its kernels. (The warmups ran the
+compiled artifact; a CUDA capture records its kernels.) An ``@graphctl.eager`` region inside a
+compiled callable splits it as it splits any forward.
+
+A replay stopped by a raising op (or a region) tells the runner's hooks where it stopped, while
+interrupts are still held: a switch recorded open there is restored or the state poisoned
+(``graphs/bucket.py``). Regions run as user code: a second Ctrl-C reaches one that hangs.
 """
 from __future__ import annotations
 
-import functools
 import gc
 import types
 from collections.abc import Callable, Sequence
@@ -42,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 from graphctl.errors import CaptureError, ReplayError
 from graphctl.graphs import compiled as _compiled
 from graphctl.graphs import pieces
+from graphctl.graphs.backends.hooks import ReplayHooks
 from graphctl.graphs.analysis.nodes import Node, Ref, Region
 from graphctl.graphs.backends.looks import LooksLikeCapture as _LooksLikeCapture
 from graphctl.graphs.frames import GRAPHCTL_DIR, user_frame
@@ -79,21 +82,13 @@ def _illegal(func: torch._ops.OpOverload, args: tuple, out: Any) -> str | None:
 class _Op:
     __slots__ = ("func", "args", "kwargs", "fresh", "waits")
 
+    region = None  # a recorded op; _Region holds an eager region
+
     def __init__(self, func, args, kwargs, fresh) -> None:
         self.func, self.args, self.kwargs, self.fresh = func, args, kwargs, fresh
         # collectives (c10d ops) return a Work handle that the Python wrapper waits on; a replay
         # runs the op itself, so it must wait too
         self.waits = tuple(i for i, r in enumerate(func._schema.returns) if str(r.type).endswith("Work"))
-
-
-class _Call:
-    """A compiled callable's call, recorded whole: replayed by calling it again."""
-
-    __slots__ = ("func", "args", "kwargs", "fresh", "waits", "name")
-
-    def __init__(self, func, args, kwargs, out, name: str) -> None:
-        self.func, self.args, self.kwargs, self.name, self.waits = func, args, kwargs, name, ()
-        self.fresh = tuple((i, t) for i, t in enumerate(tree_flatten(out)[0]) if isinstance(t, torch.Tensor))
 
 
 class _Region:
@@ -109,12 +104,13 @@ class _Region:
 class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[_Op | _Call | _Region] = []
+        self.ops: list[_Op | _Region] = []
 
-    def region(self, looks: _LooksLikeCapture) -> Callable[[Callable[..., Any], tuple, dict], Any]:
+    def region(self, looks: _LooksLikeCapture) -> Callable[[Callable[..., Any], tuple, dict, bool], Any]:
         """The handler of ``@graphctl.eager`` calls under this recorder: off the mode stack, not
         recording, not looking like a capture, the function runs; one ``_Region`` op is kept."""
-        def handler(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        def handler(fn: Callable[..., Any], args: tuple, kwargs: dict, in_switch: bool) -> Any:
+            inside = pieces.admit(fn, in_switch)
             with _pop_mode_temporarily() as mode:
                 if mode is not self:  # another mode entered inside the forward encloses the region
                     raise CaptureError("a dispatch mode inside the forward encloses an eager region",
@@ -122,24 +118,10 @@ class _Recorder(TorchDispatchMode):
                                        expected="no TorchDispatchMode entered inside the captured forward",
                                        found=type(mode).__name__, fix="enter the mode outside the graphed call")
                 with paused(), looks.paused():
-                    out, region = pieces.run_region(fn, args, kwargs)
+                    out, region = pieces.run_region(fn, args, kwargs, in_switch, inside)
             self.ops.append(_Region(region))
             return out
         return handler
-
-    def opaque(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-        """``fn`` (compiled) run off the mode stack with dynamo on, and recorded as one call."""
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with _pop_mode_temporarily() as mode, _compiled.compiled_stance():
-                if mode is not self:  # another mode entered inside the forward: no opaque call under it
-                    raise CaptureError("a dispatch mode inside the forward encloses a compiled call", buffer=name,
-                                       expected="no TorchDispatchMode entered inside the captured forward",
-                                       found=type(mode).__name__, fix="enter the mode outside the graphed call")
-                out = fn(*args, **kwargs)
-            self.ops.append(_Call(fn, args, kwargs, out, name))
-            return out
-        return call
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -161,10 +143,9 @@ class _Recorder(TorchDispatchMode):
 class EmulatedGraph:
     """A recorded op list replayed onto its capture-time storages."""
 
-    def __init__(self, ops: list[_Op | _Call | _Region]) -> None:
+    def __init__(self, ops: list[_Op | _Region]) -> None:
         self._ops = ops
         self.regions = tuple(op.region for op in ops if isinstance(op, _Region))  # eager regions, in order
-        self.failed_at: int | None = None  # the op a replay stopped at (None: it ran whole)
         seen: dict[int, int] = {}
         for op in ops:
             for _, t in op.fresh:
@@ -179,22 +160,33 @@ class EmulatedGraph:
     # Its dangling findings are exact (a recorded tensor, by identity): nothing to confirm by poisoning.
     can_poison = False
 
-    def replay(self) -> None:
+    def replay(self, hooks: ReplayHooks | None = None) -> None:
         # A CUDA graph replay cannot be stopped halfway; neither can this one: a Ctrl-C that
         # arrives mid-replay is held until the last recorded op ran (a recorded switch would
-        # otherwise be left half applied), then raised.
-        self.failed_at = None
+        # otherwise be left half applied), then raised. Regions are user code (a second Ctrl-C
+        # reaches them); a replay stopped by a raising op or region tells ``hooks`` where, still held.
+        i = 0
         with deferred(), torch.no_grad():
-            for i, op in enumerate(self._ops):
-                self.failed_at = i  # where a raising op stopped the replay (BucketGraph.replay poisons past a switch)
-                res: Any = op.func(*op.args, **op.kwargs)  # a recorded compiled call runs compiled: no mode is on
-                for w in op.waits:
-                    res[w].wait()
-                if op.fresh:
-                    flat, _ = tree_flatten(res)
-                    for j, t in op.fresh:
-                        t.copy_(flat[j])
-            self.failed_at = None
+            try:
+                for i, op in enumerate(self._ops):
+                    if op.region is not None:
+                        if hooks is None:
+                            op.func(*op.args, **op.kwargs)
+                        else:
+                            with hooks.region(op.region):
+                                op.func(*op.args, **op.kwargs)
+                        continue
+                    res: Any = op.func(*op.args, **op.kwargs)
+                    for w in op.waits:
+                        res[w].wait()
+                    if op.fresh:
+                        flat, _ = tree_flatten(res)
+                        for j, t in op.fresh:
+                            t.copy_(flat[j])
+            except BaseException as exc:
+                if hooks is not None:
+                    hooks.failed(i, None, exc, self.op_names()[i])
+                raise
 
     def repoint(self, moves: list) -> Callable[[], int]:
         """The call that swaps every recorded tensor inside a moved span (``graphs/repoint.py``)
@@ -221,6 +213,8 @@ class EmulatedGraph:
         for op in self._ops:
             op.args = tuple(fix(a) for a in op.args)
             op.kwargs = {k: fix(a) for k, a in op.kwargs.items()}
+            if op.region is not None:
+                op.region.repointed(op.args, op.kwargs)
         return count
 
     def dot(self, path: str) -> None:
@@ -228,7 +222,7 @@ class EmulatedGraph:
                           fix="capture on a GPU (backend='cuda'); emulated graphs have nodes() instead")
 
     def op_names(self) -> list[str]:
-        return [op.name if isinstance(op, (_Call, _Region)) else op.func._schema.name for op in self._ops]
+        return [op.name if isinstance(op, _Region) else op.func._schema.name for op in self._ops]
 
     def nodes(self) -> list[Node]:
         """One :class:`~graphctl.graphs.analysis.nodes.Node` per recorded op: its tensor arguments as
@@ -239,11 +233,6 @@ class EmulatedGraph:
             if isinstance(op, _Region):  # an eager region: reads and may write its arguments, writes its outputs
                 refs = [r for v in (*op.args, *op.kwargs.values()) for r in _tensor_refs(v, "touch", "arg")]
                 refs += [r for j, t in enumerate(op.region.outputs) for r in _tensor_refs(t, "write", f"result {j}")]
-                nodes.append(Node(i, "op", op.name, refs=tuple(refs)))
-                continue
-            if isinstance(op, _Call):  # a compiled call: its tensors may be read or written in place
-                refs = [r for v in (*op.args, *op.kwargs.values()) for r in _tensor_refs(v, "touch", "arg")]
-                refs += [r for j, t in op.fresh for r in _tensor_refs(t, "write", f"result {j}")]
                 nodes.append(Node(i, "op", op.name, refs=tuple(refs)))
                 continue
             schema, name = op.func._schema, op.func.name()
@@ -323,34 +312,6 @@ def _leaves(v: Any, containers: set[int]) -> list[Any]:
     return [v]
 
 
-class _Rerouted:
-    """Each compiled site rebound to ``rec``'s opaque call for the capture; :meth:`leave` puts them
-    back and may run any number of times (a ``finally`` calls it: an interrupt between two lines
-    of a with-statement's exit could skip an ``__exit__``). A site is listed before it is rebound."""
-
-    def __init__(self, rec: _Recorder) -> None:
-        self._rec = rec
-        self._done: list[tuple[Any, Any]] = []
-
-    def enter(self, sites: Sequence[Any]) -> None:
-        for s in sites:
-            original = s.get()
-            self._done.append((s, original))
-            s.put(self._rec.opaque(original, f"compiled:{s.path}"))
-
-    def __enter__(self) -> _Rerouted:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.leave()
-
-    def leave(self) -> None:
-        while self._done:
-            s, original = self._done[-1]
-            s.put(original)
-            self._done.pop()
-
-
 class EmulatedBackend:
     """Runs anywhere; what CI tests capture semantics with. See :class:`CudaBackend` for the
     interface both backends share."""
@@ -360,7 +321,6 @@ class EmulatedBackend:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._rec: _Recorder | None = None  # the recorder of the capture running now (opaque calls)
         with deferred(), _Recorder():  # the first dispatch mode entered in a process pays torch's lazy set-up
             torch.zeros(1).add_(1)
 
@@ -373,37 +333,24 @@ class EmulatedBackend:
     def warmup(self, body: Callable[[], Any]) -> Any:
         return body()
 
-    def opaque(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """A compiled forward, called through the recorder of the capture running then."""
-        def call(*args: Any, **kwargs: Any) -> Any:
-            rec = self._rec
-            if rec is None:  # called outside a capture: nothing records it
-                return fn(*args, **kwargs)
-            return rec.opaque(fn, "compiled:forward")(*args, **kwargs)
-        return call
-
     def capture(self, body: Callable[[Callable[[], int]], Any], pool: Any, bucket: int,
-                compiled: Sequence[Any] = (), generators: Sequence[torch.Generator] = ()) -> tuple[EmulatedGraph, Any]:
-        """Record ``body(mark)``, where ``mark()`` is the number of ops recorded so far; each of
-        ``compiled`` (``graphs/compiled.py`` sites) is recorded as one call. ``generators`` need no
-        registration here: a replay re-runs each random op with its generator, which draws on."""
+                generators: Sequence[torch.Generator] = ()) -> tuple[EmulatedGraph, Any]:
+        """Record ``body(mark)``, where ``mark()`` is the number of ops recorded so far; compiled
+        code runs as the code it compiles (``force_eager``), recorded op by op. ``generators`` need
+        no registration here: a replay re-runs each random op with its generator, which draws on."""
         rec, looks = _Recorder(), _LooksLikeCapture()
-        self._rec, stance, route, outside = rec, None, _Rerouted(rec), pieces.saved()
+        stance, outside = None, pieces.saved()
         try:
             try:
                 stance = _compiled.eager()  # applied when made; leaving it again is harmless
-                with stance, route:  # left on exit and again below: an interrupt may skip one of the two
-                    route.enter(compiled)
-                    with recording(), looks, rec, pieces.regions(rec.region(looks)):
-                        out = body(lambda: len(rec.ops))
+                with stance, recording(), looks, rec, pieces.regions(rec.region(looks)):
+                    out = body(lambda: len(rec.ops))
             finally:  # an interrupt at the with-statement's exit skips the innermost __exit__ calls
                 drop_mode(rec)
                 pieces.restore(outside)
                 looks.leave()
-                route.leave()
                 if stance is not None:
                     stance.__exit__(None, None, None)
-                self._rec = None
         except CaptureError as exc:
             exc.add_note(f"graphctl: capture of bucket {bucket} dropped; nothing replayable was kept")
             raise
