@@ -198,6 +198,9 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
                                 untracked = p.cap.ledger.digest(watched)
                             be.warmup(lambda: p.fn(*call[0], **call[1]))
                 except BaseException as exc:
+                    typed = pieces.fullgraph_error(exc)
+                    if typed is not None:
+                        raise typed from exc
                     exc.add_note(f"graphctl: raised while warming up bucket {b}; the caller's state was restored")
                     raise
                 if p.cap.ledger.tensors:  # the next run starts from the caller's state too

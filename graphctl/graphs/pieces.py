@@ -48,6 +48,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -56,16 +58,18 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch.utils._pytree import tree_flatten
 
-from graphctl.errors import ReplayError
+from graphctl.errors import CaptureError, ReplayError
 from graphctl.state.interrupts import in_user_code
 
 __all__ = ["eager", "is_eager", "calls", "EagerRegion", "Published", "Boundaries", "Watch", "regions", "watching",
-           "listening", "admit", "run_region", "saved", "restore"]
+           "listening", "admit", "run_region", "saved", "restore", "fullgraph_error"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 # .region: the running capture's handler; .watch: the runner's per-capture checks; .listener: a tracked
 # warmup's Boundaries; .calls: plain region calls made so far
 _tls = threading.local()
+_REASON = "reason" in inspect.signature(torch.compiler.disable).parameters  # torch names the region in its errors
+_NAMES: set[str] = set()  # every region's qualified name (told apart in dynamo's errors where it gives no reason)
 
 
 class Watch(Protocol):
@@ -104,12 +108,30 @@ def eager(fn: F | None = None, /, *, in_switch: bool = False) -> Any:
             return handler(f, args, kwargs, in_switch)
 
         # dynamo never traces into a region: a compiled caller breaks its graph here and calls it as Python
-        out = torch.compiler.disable(call, recursive=True)
+        _NAMES.add(name)
+        out = torch.compiler.disable(call, recursive=True, **({"reason": f"graphctl eager region {name}"}
+                                                               if _REASON else {}))
         out.__graphctl_eager__ = f  # type: ignore[attr-defined]
         out.__graphctl_in_switch__ = in_switch  # type: ignore[attr-defined]
         return out  # type: ignore[return-value]
 
     return wrap if fn is None else wrap(fn)
+
+
+def fullgraph_error(exc: BaseException) -> CaptureError | None:
+    """The typed error for dynamo's refusal to break a ``fullgraph=True`` graph at a region (None
+    when ``exc`` is something else): it names the region and the compiled function calling it."""
+    if not isinstance(exc, torch._dynamo.exc.Unsupported):
+        return None
+    msg = str(exc)
+    m = re.search(r"graphctl eager region (\S+?)\)", msg) or re.search(r"<function (\S+) at 0x", msg)
+    if m is None or m.group(1) not in _NAMES:
+        return None
+    caller = re.search(r"from user code:\s+File \"[^\"]+\", line \d+, in (\S+)", msg)
+    return CaptureError("an eager region inside a fullgraph=True compiled function", buffer=m.group(1),
+                        expected="a graph break at the region (a compiled function is captured as pieces around it)",
+                        found=f"torch.compile(fullgraph=True) of {caller.group(1) if caller else 'its caller'}",
+                        fix="compile that function without fullgraph=True, or call the region outside it")
 
 
 def calls() -> int:
@@ -190,6 +212,15 @@ def run_region(fn: Callable[..., Any], args: tuple, kwargs: dict, in_switch: boo
     if uses:
         watch.used(_name(fn), in_switch)  # type: ignore[union-attr]
     return out, EagerRegion(fn, args, kwargs, out, first_us, uses, inside)
+
+
+_ALIAS_FIX = {  # by what a result aliased at capture
+    "argument": "return a new tensor in every branch (h.clone() where nothing changes), or write the result into "
+                "that argument in place in every branch",
+    "result": "return distinct tensors in every branch ((a, a.clone()) where both are one)",
+    "memory": "return a new tensor (a clone) where the region returns a tensor that existed before the capture: a "
+              "replay must not write into it, and the pieces after it read that memory",
+}
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -299,9 +330,7 @@ class EagerRegion:
                 if _geometry(got) != k[2]:
                     raise self._error(i, f"the memory of {k[3]}, as at capture (the pieces after it read it)",
                                       "a tensor on other memory" if got.data_ptr() != k[2][0] else
-                                      f"{tuple(got.shape)} {got.dtype} there",
-                                      "return a new tensor in every branch (h.clone() where nothing changes), or "
-                                      "write the result into that argument in place in every branch",
+                                      f"{tuple(got.shape)} {got.dtype} there", _ALIAS_FIX[k[3].split()[0]],
                                       "an eager region's result aliases other memory than at capture")
                 continue
             static = k[2]

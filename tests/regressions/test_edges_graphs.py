@@ -431,9 +431,10 @@ def test_a_graphed_call_inside_its_states_switch_says_so(gen):
     toy.forward(*args, toy.meta)  # outside: fine
 
 
-def test_an_op_failing_mid_replay_after_the_switch_began_poisons_the_state(gen):
+def test_an_op_failing_mid_replay_inside_the_recorded_switch_is_restored(gen):
     # Regression: issue 30, an emulated replay stopped after its recorded swap_through_ (an op raising) left
-    # spec_positions holding draft contents and the state usable.
+    # spec_positions holding draft contents and the state usable; issue 51: it then poisoned the state for good, where
+    # the recorded snapshot puts every buffer back, and the op's own error was lost.
     from graphctl import CorruptedStateError
     from support.graphs import Toy
 
@@ -442,17 +443,32 @@ def test_an_op_failing_mid_replay_after_the_switch_began_poisons_the_state(gen):
     args = toy.batch(4)
     g = toy.forward.graph(4)
     names = g.op_names()
-    at = next(i for i, n in enumerate(names) if "tanh" in n and i > names.index("graphctl::swap_through_"))
+    snap = names.index("graphctl::swap_through_")
+    at = next(i for i, n in enumerate(names) if "tanh" in n and i > snap)
     real = g._ops[at].func
 
     def oom(*a, **k):
         raise RuntimeError("CUDA out of memory (injected)")
 
+    before = {n: toy.state.tensor(n).clone() for n in toy.state.restorable_names()}
     g._ops[at].func = oom
-    with pytest.raises(CorruptedStateError, match="stopped at recorded op") as info:
+    with pytest.raises(RuntimeError, match="injected"):
         toy.forward(*args, toy.meta)
-    assert isinstance(info.value.__cause__, RuntimeError) and toy.state.poisoned is not None
     g._ops[at].func = real
+    assert toy.state.poisoned is None
+    for n, t in before.items():
+        assert torch.equal(toy.state.tensor(n), t), n  # spec_positions (the draft copy) and kv_lens back
+    want = toy.eager(*args)
+    got = [t.clone() for t in toy.forward(*args, toy.meta)]
+    for w, o in zip(want, got):
+        torch.testing.assert_close(o, w)
+    # the recorded snapshot itself stopping: nothing can tell which buffers it wrote, so the state is poisoned,
+    # naming the switch, and the op's error is the cause
+    g._ops[snap].func = oom
+    with pytest.raises(CorruptedStateError, match="recorded snapshot stopped partway") as info:
+        toy.forward(*args, toy.meta)
+    assert isinstance(info.value.__cause__, RuntimeError) and "'draft' switch recorded in bucket 4" in str(info.value)
+    assert toy.state.poisoned is not None
     # the same fault before any switch op: the state is as it was, the op's own error propagates
     toy2 = Toy("cpu", gen)
     toy2.forward.capture_all(*toy2.batch(4), toy2.meta)

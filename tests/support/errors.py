@@ -434,22 +434,6 @@ def _write_refresh():
 
 T = torch.zeros
 I32 = torch.int32
-def _mode_around_compiled() -> None:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Logging(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    holder = {"double": torch.compile(lambda t: t * 2, backend="eager")}
-
-    def fwd(x):
-        with Logging():
-            return holder["double"](x)
-
-    graphed(fwd, buckets=[2], backend="emulated", progress=False).capture_all(torch.ones(2, 3))
-
-
 def _sampling_not_settings():
     from graphctl.models import graphed_step
 
@@ -495,6 +479,84 @@ def _region_result(bad: str):
     r.capture_all(torch.ones(2, 3))
     rows["n" if bad == "shape" else "flag"] = 1 if bad == "shape" else 5
     r(torch.ones(2, 3))
+
+
+def _region_alias(bad: str):
+    import graphctl
+
+    shared = {"two": False}
+
+    @graphctl.eager
+    def maybe(h):  # an early "nothing to do" return at capture
+        return h * 0.5 if (h > 100).any() else h
+
+    @graphctl.eager
+    def pair(h):
+        a = h + 1
+        return (a, h + 2) if shared["two"] else (a, a)
+
+    def fwd(x):
+        if bad == "argument":
+            return maybe(x * 10) - 1
+        a, b = pair(x * 1)
+        return a * 10 + b
+
+    r = graphed(fwd, buckets=[2], backend="emulated", progress=False)
+    r.capture_all(torch.ones(2, 3))
+    shared["two"] = True
+    r(torch.full((2, 3), 50.0))
+
+
+def _region_publishes():
+    import graphctl
+
+    class Box:
+        cache = torch.zeros(2, 3)
+
+    box = Box()
+
+    @graphctl.eager
+    def publish(h):
+        box.cache = h * 2  # a tensor made here, read by the next piece, not returned
+        return h + 0
+
+    def fwd(x):
+        return publish(x * 1) + box.cache
+
+    graphed(fwd, buckets=[2], backend="emulated", progress=False).capture_all(torch.ones(2, 3))
+
+
+def _region_uses_state_in_switch():
+    import graphctl
+
+    m, st = _mini()
+
+    @graphctl.eager(in_switch=True)
+    def region(t):
+        st.write("kv_lens", m.kv_lens[:1] + 1)  # the state's own API inside the recorded switch
+        return t + 1
+
+    def fwd(x, meta):
+        with st.switch("draft"):
+            return region(x * 2)
+
+    graphed(fwd, buckets=[2], state=st, inputs=["x"], backend="emulated", progress=False).capture_all(
+        torch.ones(2, 3), m)
+
+
+def _region_fullgraph():
+    import graphctl
+
+    @graphctl.eager
+    def region(h):
+        return h * 2
+
+    def fwd(x):
+        return region(x + 1) - 1
+
+    torch._dynamo.reset()
+    cf = torch.compile(fwd, backend="eager", fullgraph=True)
+    graphed(cf, buckets=[2], backend="emulated", progress=False).capture_all(torch.ones(2, 3))
 
 
 CASES: list[Case] = [
@@ -1100,13 +1162,6 @@ CASES: list[Case] = [
                         progress=False).capture_all(torch.ones(2, 3)),
     ),
     Case(
-        "capture-mode-around-compiled",
-        CaptureError,
-        "capture",
-        "a TorchDispatchMode entered inside the forward around a compiled call (emulated backend)",
-        _mode_around_compiled,
-    ),
-    Case(
         "capture-side-effects",
         CaptureError,
         "capture",
@@ -1241,6 +1296,16 @@ CASES: list[Case] = [
          lambda: _region_result("shape")),
     Case("region-host-value", ReplayError, "replay", "an eager region returning another host value than at capture",
          lambda: _region_result("flag")),
+    Case("region-alias-argument", ReplayError, "replay", "an eager region that returned its argument at capture "
+         "returning a new tensor at a replay", lambda: _region_alias("argument")),
+    Case("region-alias-result", ReplayError, "replay", "an eager region that returned one tensor twice at capture "
+         "returning two at a replay", lambda: _region_alias("result")),
+    Case("region-publishes", CaptureError, "capture", "an eager region storing a tensor it made where the next "
+         "piece reads it, instead of returning it", _region_publishes),
+    Case("region-uses-state-in-switch", CaptureError, "capture", "an in_switch eager region calling state.write "
+         "(or switch, pad) inside the open switch", _region_uses_state_in_switch),
+    Case("region-fullgraph", CaptureError, "capture", "an eager region inside a torch.compile(fullgraph=True) "
+         "forward", _region_fullgraph),
     Case("sampling-type", DeclarationError, "declaration", "graphed_step(eng, sampling=0.8): not a Sampling",
          _sampling_not_settings),
 ]

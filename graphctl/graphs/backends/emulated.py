@@ -80,12 +80,12 @@ def _illegal(func: torch._ops.OpOverload, args: tuple, out: Any) -> str | None:
 
 
 class _Op:
-    __slots__ = ("func", "args", "kwargs", "fresh", "waits")
+    __slots__ = ("func", "args", "kwargs", "fresh", "waits", "name")
 
     region = None  # a recorded op; _Region holds an eager region
 
     def __init__(self, func, args, kwargs, fresh) -> None:
-        self.func, self.args, self.kwargs, self.fresh = func, args, kwargs, fresh
+        self.func, self.args, self.kwargs, self.fresh, self.name = func, args, kwargs, fresh, func._schema.name
         # collectives (c10d ops) return a Work handle that the Python wrapper waits on; a replay
         # runs the op itself, so it must wait too
         self.waits = tuple(i for i, r in enumerate(func._schema.returns) if str(r.type).endswith("Work"))
@@ -185,7 +185,7 @@ class EmulatedGraph:
                             t.copy_(flat[j])
             except BaseException as exc:
                 if hooks is not None:
-                    hooks.failed(i, None, exc, self.op_names()[i])
+                    hooks.failed(i, None, exc, self._ops[i].name)
                 raise
 
     def repoint(self, moves: list) -> Callable[[], int]:
@@ -222,7 +222,7 @@ class EmulatedGraph:
                           fix="capture on a GPU (backend='cuda'); emulated graphs have nodes() instead")
 
     def op_names(self) -> list[str]:
-        return [op.name if isinstance(op, _Region) else op.func._schema.name for op in self._ops]
+        return [op.name for op in self._ops]
 
     def nodes(self) -> list[Node]:
         """One :class:`~graphctl.graphs.analysis.nodes.Node` per recorded op: its tensor arguments as
