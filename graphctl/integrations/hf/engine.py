@@ -191,20 +191,11 @@ class HFEngine(MTPEngine):
         """:meth:`prefill_step` graphed at token buckets (default powers of two from 16 up to the
         metadata's ``max_tokens``, and it), for ``prefill(prompts, forward=...)`` and
         ``generate(..., prefill=...)``. ``piecewise``: every layer's attention is an eager region
-        between captured pieces (``graphs/pieces.py``; uncompiled models: a compiled forward
-        would trace through the region); by default attention is in the graph (the paged
-        attention op reads lengths from the device buffers)."""
-        from graphctl.errors import DeclarationError
+        between captured pieces (``graphs/pieces.py``; a compiled model is compiled as the pieces
+        between its attention calls, each captured as a graph); by default attention is in the
+        graph (the paged attention op reads lengths from the device buffers)."""
         from graphctl.graphs import StaticInput, graphed
 
-        compiled = [r for r, m in (("target", self.target_layers), ("draft", self.draft_layers))
-                    if is_compiled(vars(m).get("forward"))]
-        if piecewise and compiled:  # dynamo would trace through the regions: the graph would not be piecewise
-            raise DeclarationError("piecewise prefill needs uncompiled models", buffer=", ".join(compiled),
-                                   expected="models whose forward is not torch.compile'd",
-                                   found=f"compiled {' and '.join(compiled)} forward",
-                                   fix="use graphed_prefill() (attention inside the graph, compiled kernels "
-                                       "captured), or build the engine with compile=False")
         top = self.meta.max_tokens
         if buckets is None:
             buckets, b = [], 16
