@@ -214,7 +214,8 @@ def segments_from_marks(marks: list[tuple[str, int]], total: int) -> tuple[Segme
 
 def spans_from_marks(marks: list[tuple[str, int]]) -> tuple[Span, ...]:
     """The recorded switches (enter, applied, restore, exit marks in order), named as their segments."""
-    spans, cur = [], {}
+    spans: list[Span] = []
+    cur: dict[str, int] = {}
     n = sum(1 for e, _ in marks if e == "enter")
     for event, at in marks:
         cur[event] = at

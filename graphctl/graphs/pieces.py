@@ -111,9 +111,9 @@ def eager(fn: F | None = None, /, *, in_switch: bool = False) -> Any:
         _NAMES.add(name)
         out = torch.compiler.disable(call, recursive=True, **({"reason": f"graphctl eager region {name}"}
                                                                if _REASON else {}))
-        out.__graphctl_eager__ = f  # type: ignore[attr-defined]
-        out.__graphctl_in_switch__ = in_switch  # type: ignore[attr-defined]
-        return out  # type: ignore[return-value]
+        out.__graphctl_eager__ = f
+        out.__graphctl_in_switch__ = in_switch
+        return out
 
     return wrap if fn is None else wrap(fn)
 

@@ -235,8 +235,8 @@ class Switch:
             failures: Failures = []
             try:
                 st._notify(self, "restore")
-            except BaseException as err:  # an observer that raises never skips the restore
-                failures.append(("observer (restore)", err))
+            except BaseException as why:  # an observer that raises never skips the restore
+                failures.append(("observer (restore)", why))
             failures += self._undo("restore")
             st._release(self)
             failures += st._leave(self, bool(failures))

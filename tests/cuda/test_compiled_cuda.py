@@ -57,3 +57,25 @@ def test_compiled_hf_engine_captures_fused_kernels(mode, gen):
     assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
     if mode != "per_step":  # one runner: its graphs hold Inductor's kernels, nothing ran uncompiled
         assert _triton(step.census(4)) >= 1 and step.report().uncompiled == 0, step.report()
+
+
+def test_compiled_piecewise_prefill_holds_fused_pieces(gen):
+    # Regression: issue 51, a compiled model's piecewise prefill was refused (dynamo traced through the regions); now
+    # each attention call is a graph break: the pieces between hold Inductor's kernels, the tokens are eager's.
+    pytest.importorskip("transformers")
+    from graphctl.integrations.hf import HFEngine
+    from graphctl.integrations.hf.configs import hf_config
+
+    torch._dynamo.reset()
+    eng = HFEngine.build(hf_config("tiny-llama"), draft_len=1, max_seqs=4, device="cuda", dtype=torch.float32,
+                         compile=True, prefill_tokens=32)
+    prompts = [torch.randint(3, eng.cfg.vocab, (n,), generator=gen) for n in (5, 9, 7)]
+    want = eng.generate(prompts, 4)
+    pre = eng.graphed_prefill(buckets=[16, 32], piecewise=True)
+    got = eng.generate(prompts, 4, prefill=pre)
+    assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
+    rep = pre.report()
+    layers = eng.target_layers.config.num_hidden_layers + eng.draft_layers.config.num_hidden_layers
+    assert rep.uncompiled == 0 and {b.pieces for b in rep.buckets} == {layers + 1}, str(rep)
+    assert _triton(pre.census(32)) >= layers, pre.census(32)
+    torch._dynamo.reset()

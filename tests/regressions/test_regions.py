@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import graphctl
-from graphctl import CaptureError, CorruptedStateError, ReplayError
+from graphctl import CaptureError, ReplayError
 from support.graphs import Toy
 from support.regions import WHERE, contents, region_of, regioned, unchanged
 

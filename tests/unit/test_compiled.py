@@ -63,7 +63,7 @@ def test_compiled_function_runs_compiled_in_warmup_and_capture_and_stays_compile
     assert ran >= 2, ran  # one compiled warmup per bucket, at least
     assert STEPS.item() == 0  # every warmup and capture undone
     names = {n.name for n in f.nodes(4)}
-    assert {"aten::tanh", "aten::mm", "aten::add_.Tensor"} <= names, names  # the compiled code's ops, recorded one by one
+    assert {"aten::tanh", "aten::mm", "aten::add_.Tensor"} <= names, names  # the compiled code's ops, one by one
     x2 = torch.randn(3, 6, generator=gen)
     out = f(x2, w).clone()
     assert STEPS.item() == 1 and calls["n"] == ran  # the replay ran the recorded ops, as a graph would

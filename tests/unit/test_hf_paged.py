@@ -265,21 +265,23 @@ def test_graphed_prefill_at_token_buckets_gives_transformers_tokens(piecewise, b
     assert {b.pieces for b in rep.buckets} == ({layers + 1} if piecewise else {1})
 
 
-def test_piecewise_prefill_of_a_compiled_model_is_refused_and_the_whole_graph_works(gen):
-    # Regression: issue 33, dynamo traces through an eager region inside a compiled model: piecewise=True would be
-    # silently whole; it is refused by name, and the whole-graph prefill of the compiled model gives eager's tokens.
+def test_piecewise_prefill_of_a_compiled_model_splits_at_its_attention(backend, gen):
+    # Regression: issue 51, dynamo traced through an eager region inside a compiled model, so piecewise=True was refused
+    # by name; now each attention call is a graph break and the compiled models are captured as pieces around them.
     torch._dynamo.reset()
-    eng = HFEngine.build(hf_config("tiny-llama"), draft_len=1, max_seqs=2, max_context=64, device="cpu",
-                         compile="aot_eager", prefill_tokens=16)
-    with pytest.raises(graphctl.DeclarationError, match="uncompiled") as err:
-        eng.graphed_prefill(backend="emulated", piecewise=True)
-    assert err.value.buffer == "target, draft"
-    prompts = [torch.randint(3, eng.cfg.vocab, (n,), generator=gen) for n in (5, 7)]
-    pre = eng.graphed_prefill(backend="emulated")
+    dev = "cuda" if backend == "cuda" else "cpu"
+    eng = HFEngine.build(hf_config("tiny-llama"), draft_len=1, max_seqs=2, max_context=64, device=dev,
+                         compile="aot_eager", prefill_tokens=16, seed=hf.seed_of(gen))
+    prompts = [torch.randint(3, eng.cfg.vocab, (n,), generator=gen).to(dev) for n in (5, 7)]
     want = eng.generate(prompts, 3)
-    got = eng.generate(prompts, 3, prefill=pre)
-    assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
-    assert pre.report().uncompiled == 0
+    for piecewise in (True, False):
+        pre = eng.graphed_prefill(buckets=[16], backend=backend, piecewise=piecewise)
+        got = eng.generate(prompts, 3, prefill=pre)
+        assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens], piecewise
+        rep = pre.report()
+        layers = eng.target_layers.config.num_hidden_layers + eng.draft_layers.config.num_hidden_layers
+        assert rep.uncompiled == 0 and [b.pieces for b in rep.buckets] == [layers + 1 if piecewise else 1], str(rep)
+        assert (rep.compile[16]["breaks"] >= layers) == piecewise, rep.compile
     torch._dynamo.reset()
 
 

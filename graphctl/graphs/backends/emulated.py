@@ -44,8 +44,8 @@ from torch.utils._pytree import tree_flatten
 from graphctl.errors import CaptureError, ReplayError
 from graphctl.graphs import compiled as _compiled
 from graphctl.graphs import pieces
-from graphctl.graphs.backends.hooks import ReplayHooks
 from graphctl.graphs.analysis.nodes import Node, Ref, Region
+from graphctl.graphs.backends.hooks import ReplayHooks
 from graphctl.graphs.backends.looks import LooksLikeCapture as _LooksLikeCapture
 from graphctl.graphs.frames import GRAPHCTL_DIR, user_frame
 from graphctl.graphs.journal import fresh_results, op_tensors
@@ -165,10 +165,10 @@ class EmulatedGraph:
         # arrives mid-replay is held until the last recorded op ran (a recorded switch would
         # otherwise be left half applied), then raised. Regions are user code (a second Ctrl-C
         # reaches them); a replay stopped by a raising op or region tells ``hooks`` where, still held.
-        i = 0
+        at = 0
         with deferred(), torch.no_grad():
             try:
-                for i, op in enumerate(self._ops):
+                for at, op in enumerate(self._ops):  # noqa: B007 (read by the handler below)
                     if op.region is not None:
                         if hooks is None:
                             op.func(*op.args, **op.kwargs)
@@ -185,7 +185,7 @@ class EmulatedGraph:
                             t.copy_(flat[j])
             except BaseException as exc:
                 if hooks is not None:
-                    hooks.failed(i, None, exc, self._ops[i].name)
+                    hooks.failed(at, None, exc, self._ops[at].name)
                 raise
 
     def repoint(self, moves: list) -> Callable[[], int]:
