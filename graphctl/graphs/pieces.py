@@ -296,10 +296,21 @@ class EagerRegion:
             self._described = "an argument of the region that a later piece writes in place"
 
     def repointed(self, args: tuple, kwargs: dict) -> None:
-        """A re-pointed graph passes these arguments from now on (``graphs/repoint.py``)."""
-        self.args, self.kwargs = args, kwargs
-        self._arg_storages = {_storage(t): j for j, t in enumerate(
-            t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))}
+        """A re-pointed graph passes these arguments from now on (``graphs/repoint.py``): a result
+        that aliased a moved argument must alias it at its new address."""
+        def tensors(a: tuple, k: dict) -> list[torch.Tensor]:
+            return [t for t in tree_flatten((a, k))[0] if isinstance(t, torch.Tensor)]
+
+        old, new = tensors(self.args, self.kwargs), tensors(args, kwargs)
+        kinds = []
+        for k in self.kinds:
+            if k[1] == "alias" and k[3].startswith("argument "):
+                j = int(k[3].split()[1])
+                ptr, shape, stride, dtype = k[2]
+                k = (k[0], "alias", (ptr - old[j].data_ptr() + new[j].data_ptr(), shape, stride, dtype), k[3])
+            kinds.append(k)
+        self.kinds, self.args, self.kwargs = tuple(kinds), args, kwargs
+        self._arg_storages = {_storage(t): j for j, t in enumerate(new)}
 
     @property
     def mean_us(self) -> float | None:

@@ -38,6 +38,18 @@ def test_a_region_that_returned_its_argument_at_capture_refuses_a_new_tensor(bac
     small = torch.rand(2, H, generator=gen).to(device)
     torch.testing.assert_close(run(small).clone(), fwd(small.clone()))  # the refused call broke nothing
 
+    @graphctl.eager
+    def fixed(h):  # the fix the error names: a new tensor in the branch that does nothing
+        return h * 0.5 if (h > 100).any() else h.clone()
+
+    def fwd2(x):
+        return fixed(x * 10) - 0.5
+
+    run2 = graphctl.graphed(fwd2, buckets=[2], backend=backend, progress=False)
+    run2.capture_all(torch.rand(2, H, generator=gen).to(device))
+    for x in (big, small):
+        torch.testing.assert_close(run2(x).clone(), fwd2(x.clone()))
+
 
 def test_a_region_that_returned_a_new_tensor_at_capture_may_return_its_argument(backend, device, gen):
     # Regression: issue 51, the converse branch: a new tensor at capture is the static storage the next piece reads,

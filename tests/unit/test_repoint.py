@@ -116,3 +116,30 @@ def test_a_repoint_failing_halfway_drops_every_graph_and_the_next_call_captures_
     ids = _prepare(eng, 5, gen)  # the next call captures again, against the new state
     want = eng.step(ids, eng.meta)
     assert torch.equal(step(ids, eng.meta).drafts.clone(), want.drafts)
+
+
+def test_an_emulated_piecewise_graph_repoints_its_regions_arguments(gen):
+    # Regression: issue 51, a region returning a declared buffer it was passed (an alias the next piece reads there)
+    # was refused after repoint(): its result was compared with the buffer's address before the move.
+    eng = MTPEngine(EngineConfig(max_seqs=8, seed=int(torch.randint(0, 1000, (1,), generator=gen))), device="cpu")
+    k1 = eng.k + 1
+
+    @graphctl.eager
+    def lengths(kv):  # a host read of a declared buffer, passed as its argument and returned
+        return kv if kv.numel() > 0 else kv.clone()
+
+    def fwd(input_ids, meta):
+        out = eng.step(input_ids, meta)
+        return out.accepted, lengths(meta.kv_lens).to(torch.int64)
+
+    step = graphctl.graphed(fwd, buckets=[4, 8], inputs=[StaticInput("input_ids", per_item=k1)], state=eng.state,
+                            backend="emulated", params=eng.named_tensors(), progress=False)
+    step.capture_all(_prepare(eng, 8, gen), eng.meta)
+    new_state = _move_every_buffer(eng)
+    eng.state = new_state
+    step.repoint(new_state)
+    for n in (3, 8):
+        ids = _prepare(eng, n, gen)
+        want_acc, want_kv = eng.step(ids, eng.meta).accepted, eng.meta.kv_lens.to(torch.int64)
+        got_acc, got_kv = (t.clone() for t in step(ids, eng.meta))
+        assert torch.equal(got_acc, want_acc) and torch.equal(got_kv, want_kv), n
