@@ -239,7 +239,7 @@ class EagerRegion:
     existed before: the replay's result must be that memory again) or ``host`` (a value later
     pieces baked in)."""
 
-    __slots__ = ("fn", "name", "args", "kwargs", "outputs", "kinds", "host", "count", "calls", "seconds",
+    __slots__ = ("fn", "name", "args", "kwargs", "outputs", "kinds", "host", "spec", "calls", "seconds",
                  "capture_us", "uses_state", "inside", "_arg_storages", "_versions", "_strict", "_described")
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: Any, capture_us: float,
@@ -247,8 +247,7 @@ class EagerRegion:
         self.fn, self.name, self.args, self.kwargs = fn, _name(fn), args, kwargs
         # uses_state: it switched, wrote or padded the state at capture; inside: a switch was open across it
         self.capture_us, self.uses_state, self.inside = capture_us, uses_state, inside
-        flat, _ = tree_flatten(out)
-        self.count = len(flat)
+        flat, self.spec = tree_flatten(out)
         self.outputs = tuple(t for t in flat if isinstance(t, torch.Tensor))  # static: the next piece reads them
         self.host = tuple((i, v) for i, v in enumerate(flat) if not isinstance(v, torch.Tensor))
         args_flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -323,10 +322,10 @@ class EagerRegion:
         t0 = time.perf_counter()
         with in_user_code():
             res = self.fn(*args, **kwargs)
-        flat, _ = tree_flatten(res)
-        if len(flat) != self.count:
-            raise self._error(None, f"{self.count} results", f"{len(flat)} results",
-                              "return the same structure at every call")
+        flat, spec = tree_flatten(res)
+        if spec != self.spec:
+            raise self._error(None, f"results shaped {self.spec}", str(spec)[:120],
+                              "return the same structure (tuple, list, dict keys) at every call")
         for i, want in self.host:
             got = flat[i]
             if isinstance(got, torch.Tensor) or got != want:

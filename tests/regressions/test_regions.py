@@ -388,3 +388,27 @@ def test_a_host_value_a_compiled_callable_reads_is_baked_as_a_cuda_graph_bakes_i
     x = torch.randn(2, H, generator=gen).to(device)
     torch.testing.assert_close(run(x).clone(), x * 2.0)  # the capture's value, on either backend
     torch._dynamo.reset()
+
+
+def test_a_region_returning_another_structure_is_refused(gen):
+    # Regression: issue 51, only the number of results was compared: a dict with other keys (or a list for a tuple)
+    # was matched by position, its values reaching the wrong pieces.
+    keys = {"names": ("a", "b")}
+
+    @graphctl.eager
+    def named(h):
+        return {k: h * (i + 1) for i, k in enumerate(keys["names"])}
+
+    def fwd(x):
+        out = named(x * 1)
+        return out["a"] - out["b"] if "a" in out else x
+
+    run = graphctl.graphed(fwd, buckets=[2], backend="emulated", progress=False)
+    run.capture_all(torch.randn(2, H, generator=gen))
+    x = torch.randn(2, H, generator=gen)
+    torch.testing.assert_close(run(x).clone(), fwd(x.clone()))
+    for names in (("a", "c"), ("b", "a")):  # another key, or the same keys in another order (matched by position)
+        keys["names"] = names
+        with pytest.raises(ReplayError, match="another structure") as err:
+            run(x)
+        assert err.value.buffer.endswith("named") and f"'{names[0]}', '{names[1]}'" in err.value.found
