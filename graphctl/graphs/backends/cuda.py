@@ -18,6 +18,7 @@ capture mode (torch's ``graphs.py``, seen on torch 2.11). This backend calls ``c
 from __future__ import annotations
 
 import ctypes
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -301,7 +302,9 @@ class CudaBackend:
             g, tracker = live
             live[:] = [None, None]
             try:
-                g.capture_end()
+                with warnings.catch_warnings():  # a region first or last leaves an empty piece: fine, say nothing
+                    warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+                    g.capture_end()
             except BaseException as exc:  # the body swallowed an error that invalidated the capture
                 g.reset()
                 self._recover_rng()
