@@ -22,6 +22,7 @@ import torch
 
 import graphctl
 from graphctl.cli.target import load_target
+from graphctl.graphs.face import Key
 from graphctl.errors import CaptureError, GraphctlError, did_you_mean
 
 __all__ = ["run_capture", "derive_buckets", "coverage_rows", "SCHEMA"]
@@ -102,7 +103,7 @@ def _table(name: str, report, verify: dict[tuple[str, int], list], audits: dict[
         speed = f"{b.eager_us / b.replay_us:.2f}x" if b.replay_us and b.eager_us else "-"
         vs = verify.get((b.variant, b.bucket))
         v = "-" if vs is None else ("ok" if all(r.ok for r in vs) else "[red]MISMATCH")
-        a = audits.get((b.variant, b.bucket))
+        a = audits.get(Key(b.variant, b.bucket))
         au = "-" if a is None else (f"[red]{len(a.errors)} err[/] {len(a.warnings)} warn" if a.errors else
                                     f"[yellow]{len(a.possible)} possible[/]" if a.possible else
                                     "clean" if not a.warnings else f"{len(a.warnings)} warn")
@@ -311,9 +312,8 @@ def _run(con, args) -> int:
                                   params=target.params, progress=args.progress, variants=target.variants)
     with _stage("capture", 1):
         runner.capture_all(*target.example)
-    # every (variant, runner): a plain runner is the one unlabelled variant
-    units = [(v.label, v.runner) for v in runner.variants] if isinstance(runner, graphctl.VariantRunner) else \
-        [("", runner)]
+    # every (variant, runner): a plain runner is the one unlabelled unit (graphs/face.py)
+    units = [(u.label, u.runner) for u in runner.units()]
     # emulated graphs re-run every op from Python: their timings mean nothing, so they cost nothing unless asked
     timed = args.time if args.time is not None else use_cuda
     if timed:
@@ -325,13 +325,15 @@ def _run(con, args) -> int:
             for r in runner.verify(gen=torch.Generator().manual_seed(args.seed)):
                 verify.setdefault((r.variant, r.bucket), []).append(r)
     audits: dict[tuple[str, int], Any] = {}
-    with _stage("audit", 1):
-        for label, r in units if args.audit else ():
-            audits.update({(label, b): a for b, a in r.audit(confirm=args.audit == "confirm").items()})
+    if args.audit:
+        with _stage("audit", 1):
+            audits = dict(runner.audit(confirm=args.audit == "confirm"))
     rows: list[dict[str, Any]] = []
     with _stage("coverage", 1):
+        served = runner.coverage(range(1, max_batch + 1))
         for label, r in units:
-            rows += coverage_rows(r.coverage(range(1, max_batch + 1)), r.inputs[0].per_item, label)
+            rows += coverage_rows({k.bucket: s for k, s in served.items() if k.variant == label}, r.inputs[0].per_item,
+                                  label)
     report = runner.report()
     con.print(_table(name, report, verify, audits, {label: r.inputs[0].per_item for label, r in units}))
     if not use_cuda and timed:

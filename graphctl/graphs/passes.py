@@ -46,6 +46,7 @@ from graphctl.graphs.options import Options
 from graphctl.graphs.randomness import declared_generators
 from graphctl.state import BoundState, CopyInPlace
 from graphctl.state import paths as entry_paths
+from graphctl.state.phase import given
 from graphctl.state.snapshot import Snapshot
 
 __all__ = ["capture_buckets"]
@@ -317,7 +318,7 @@ def _capture_one(p: _Passes, bucket: int, call: tuple[tuple, dict], pool: Any,
     t0 = time.perf_counter()
     # the generators a CUDA capture must register: declared ones, and undeclared ones the warmups drew from
     gens = [*declared_generators(p.cap.state).values(), *(g for g, _ in p.cap.ledger.generators)]
-    with p.cap.guard, p.lasting or contextlib.nullcontext():
+    with p.cap.guard, p.lasting or contextlib.nullcontext(), given(p.cap.state):
         graph, out = be.capture(body, pool, bucket, gens)
     ms = (time.perf_counter() - t0) * 1e3
     for region in graph.regions:  # what later pieces wrote, and results on memory that existed before

@@ -4,7 +4,7 @@ A KV pool grown or a block table reallocated means a new metadata object state: 
 it again (``bind`` refuses a buffer rebound behind its back). Every captured graph still bakes
 the old addresses. Peers recapture everything (seconds per graph). graphctl knows, from the
 bound states, which tensor every old address belonged to, so :func:`repoint` rewrites the
-addresses in place:
+addresses in place (``plan_repoint``: every check first, then one call that rewrites):
 
 - every declared buffer (twins and ``Stable`` scratch included) and every snapshot arena of the
   old state is paired with the same entry of the new one; each pair must agree in shape, dtype,
@@ -24,16 +24,15 @@ What stays the caller's job: the forward must read the new state too (an engine 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from graphctl.errors import RepointError
-from graphctl.state.interrupts import deferred
 from graphctl.state.validate import byte_range
 
-__all__ = ["Move", "entries", "lookup", "moves_between", "repoint"]
+__all__ = ["Move", "entries", "lookup", "moves_between", "plan_repoint"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,10 +96,12 @@ def entries(state: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def repoint(runner: Any, new: Any) -> dict[int, int]:
-    """Re-point every captured bucket of ``runner`` (a ``GraphRunner``) from its state to
-    ``new``: all checked first (``RepointError``, nothing changed), then all rewritten; the
-    runner takes ``new``. Returns bucket -> nodes (CUDA) or recorded tensors (emulated) rewritten."""
+def plan_repoint(runner: Any, new: Any) -> Callable[[], dict[int, int]]:
+    """Check now that every captured bucket of ``runner`` (a ``GraphRunner``) can be re-pointed
+    from its state to ``new`` (``RepointError`` otherwise, nothing changed); the returned call
+    rewrites them all, gives the runner ``new`` and the new addresses as its manifests, and says
+    per bucket how many nodes (CUDA) or recorded tensors (emulated) it rewrote. The caller runs
+    it with interrupts held and drops every graph if it raises partway (``graphs/face.py``)."""
     old = runner.state
     if old is None or new is None:
         raise RepointError("re-pointing needs the runner's bound state", buffer=None,
@@ -111,19 +112,13 @@ def repoint(runner: Any, new: Any) -> dict[int, int]:
     moves = moves_between(entries(old), entries(new)) if new is not old else []
     applies = {b: cap.graph.repoint(moves) for b, cap in graphs.items()} if moves else {}
     addresses = new.addresses()
-    # a Ctrl-C is held until every graph is rewritten; a driver failure halfway leaves graphs
-    # that point partly at the old memory: they are dropped and the next call captures again
-    with deferred():
-        try:
-            done = {b: apply() for b, apply in applies.items()}
-        except BaseException as exc:
-            runner.reset()
-            runner.state = new
-            exc.add_note("graphctl: re-pointing failed partway; every captured graph was dropped (the next call "
-                         "captures again, against the new state)")
-            raise
+
+    def apply() -> dict[int, int]:
+        done = {b: fn() for b, fn in applies.items()}
         for cap in graphs.values():
             cap.manifest = {n: addresses.get(n, a) for n, a in cap.manifest.items()}
             cap.checked = False
         runner.state = new
-    return {b: done.get(b, 0) for b in graphs}
+        return {b: done.get(b, 0) for b in graphs}
+
+    return apply

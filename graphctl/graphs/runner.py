@@ -36,24 +36,19 @@ from typing import Any
 import torch
 
 from graphctl.errors import CaptureError, DeclarationError, ReplayError
-from graphctl.graphs import measure as _measure
-from graphctl.graphs.analysis.audit import Audit
-from graphctl.graphs.analysis.confirm import audit_runner
 from graphctl.graphs.analysis.nodes import Node, census
 from graphctl.graphs.analysis.report import Report, Segment
-from graphctl.graphs.analysis.verify import VerifyResult
-from graphctl.graphs.analysis.verify import verify as _verify
 from graphctl.graphs.backends.cuda import refuse_nested_capture
 from graphctl.graphs.bucket import BucketGraph
 from graphctl.graphs.calls import Signature
 from graphctl.graphs.capture import Capture
 from graphctl.graphs.distributed import Agreement, agreed_switch
 from graphctl.graphs.effects import SideEffect
+from graphctl.graphs.face import RunnerFace, Unit
 from graphctl.graphs.hoststate import HostChange
 from graphctl.graphs.inputs import StaticInput
 from graphctl.graphs.options import Options, per_instance
 from graphctl.graphs.passes import capture_buckets
-from graphctl.graphs.repoint import repoint
 from graphctl.knobs import knobs
 from graphctl.state import BoundState, bind
 from graphctl.state.snapshot import Snapshot
@@ -64,7 +59,7 @@ log = logging.getLogger("graphctl")
 _KNOBS = knobs.live()  # a plain dict lookup on the call path (a knob attribute goes through __getattr__)
 
 
-class GraphRunner:
+class GraphRunner(RunnerFace):
     """Captured graphs of ``fn``, one per bucket. Build it with :func:`graphctl.graphed`.
 
     Its options are one frozen :class:`~graphctl.graphs.options.Options` (``runner.options``,
@@ -92,6 +87,10 @@ class GraphRunner:
         self._agreement: Agreement | None = None
         self._fallbacks: dict[str, int] = {}
         self._streak = 0  # calls since the last replay, all eager (a bypassed runner: see _unservable)
+        self._units = (Unit((), self),)
+
+    def units(self) -> tuple[Unit, ...]:
+        return self._units
 
     def _set_state(self, new: BoundState | None) -> None:  # repoint() hands the runner a newly bound state
         self._state = new
@@ -155,10 +154,6 @@ class GraphRunner:
             self.reset()  # never keep some buckets of a failed capture_all: a call would find holes
             raise
         return self
-
-    def repoint(self, state: BoundState) -> dict[int, int]:
-        """Re-point every graph at ``state``, bound again after buffers moved (``graphs/repoint.py``)."""
-        return repoint(self, state)
 
     def pad_state(self, n: int) -> None:  # rows past n by policy, as a caller's prepare does
         if self.state is not None:
@@ -257,6 +252,8 @@ class GraphRunner:
     def captured(self) -> tuple[int, ...]:  # the buckets captured, smallest first
         return tuple(sorted(self.capture.graphs)) if self.capture is not None else ()
 
+    _buckets_captured = captured.fget  # what face.py keys by
+
     @property
     def inputs(self) -> tuple[StaticInput, ...]:
         """The static inputs (declared, or every tensor argument of the example call)."""
@@ -264,7 +261,6 @@ class GraphRunner:
 
     device = property(lambda self: self._captured_or_raise("device").backend.device)
     example_items = property(lambda self: self._captured_or_raise("example_items").n)
-    fallbacks = property(lambda self: dict(self._fallbacks), doc="Eager fallbacks so far, by reason (a copy).")
 
     def example_arguments(self) -> dict[str, Any]:  # the example call of capture_all, by parameter name
         args, kwargs = self._captured_or_raise("using the example").example
@@ -293,30 +289,6 @@ class GraphRunner:
     def static_input(self, name: str) -> torch.Tensor:  # the static buffer behind input name
         return next(slot.static for slot in self._captured_or_raise("static_input").slots if slot.spec.name == name)
 
-    def measure(self, iters: int = 20) -> GraphRunner:  # median µs, graphed call and eager forward (graphs/measure.py)
-        self._captured_or_raise("measure()")
-        _measure.measure(self, iters)
-        return self
-
-    def coverage(self, sizes: Any = None) -> dict[int, str]:
-        """Per batch size ``n`` (default 1 .. largest bucket, capped at the example's items), what served a call
-        on the example's first ``n`` items: ``"bucket B"``, ``"eager: <reason>"`` or ``"error: <message>"``."""
-        self._captured_or_raise("coverage()")
-        return _measure.coverage(self, sizes)
-
-    def verify(self, **options: Any) -> tuple[VerifyResult, ...]:
-        """Eager against replay per bucket, outputs and padding poisoned (``analysis/verify.py``: gen, rtol, atol)."""
-        self._captured_or_raise("verify()")
-        return _verify(self, **options)
-
-    def audit(self, params: Any = None, confirm: bool = False) -> dict[int, Audit]:
-        """Per bucket, the pointer and segment audits (``graphs/analysis/audit.py``). ``params``: the model
-        tensors the forward reads (module, mapping or iterable; default ``params=`` or a decorated method's
-        module). ``confirm``: replay with each possible finding's freed block poisoned (``analysis/confirm.py``):
-        confirmed ones become errors, harmless ones move to ``Audit.dropped``; the caller's state is put back."""
-        cap = self._captured_or_raise("audit()")
-        return audit_runner(self, params, confirm, replay=lambda b: self._replay(cap.graphs[b], cap))
-
     def known_tensors(self, bucket: int) -> list[tuple[str, str, torch.Tensor]]:
         """``(kind, name, tensor)`` the runner knows for ``bucket``: the audit's named regions."""
         return self._captured_or_raise("known_tensors").known_tensors(self.outputs(bucket), self.graph(bucket).regions)
@@ -332,8 +304,9 @@ class GraphRunner:
         """Write ``bucket``'s graph as Graphviz DOT (CUDA only: ``cudaGraphDebugDotPrint``)."""
         self.graph(bucket).dot(path)
 
-    def report(self) -> Report:
-        """Per bucket: capture ms, pool bytes, nodes, segments, replay/eager µs (see ``report`` module)."""
+    def _unit_report(self) -> Report:
+        """This unit's report (``face.py`` merges the units'): per bucket capture ms, pool bytes,
+        nodes, segments, replay/eager µs (``analysis/report.py``), and the capture's findings."""
         name = getattr(self.fn, "__qualname__", repr(self.fn))
         if self.capture is None:
             return Report(name, "-", "-", torch.__version__, (), dict(self._fallbacks), eager_streak=self._streak)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import itertools
 import logging
 from collections.abc import Callable
@@ -34,11 +35,9 @@ from typing import Any
 import torch
 
 from graphctl.errors import CaptureError, DeclarationError, ReplayError
-from graphctl.graphs.analysis.audit import Audit
-from graphctl.graphs.analysis.report import Report
-from graphctl.graphs.analysis.verify import VerifyResult
 from graphctl.graphs.bucket import gc_held
 from graphctl.graphs.calls import Signature
+from graphctl.graphs.face import RunnerFace, Unit
 from graphctl.graphs.inputs import Buckets, StaticInput
 from graphctl.graphs.options import Options, SharedPool, per_instance, variant_key
 from graphctl.graphs.runner import GraphRunner
@@ -48,21 +47,14 @@ __all__ = ["Variant", "VariantRunner"]
 log = logging.getLogger("graphctl")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Variant:
-    """One combination of variant values and the runner holding its graphs."""
-
-    values: tuple[tuple[str, Any], ...]  # (argument, value), in declared order
-    runner: GraphRunner
-
-    @property
-    def label(self) -> str:  # "k=3" or "k=3, first=True": report rows, verify results, coverage keys
-        return ", ".join(f"{n}={v!r}" for n, v in self.values)
+Variant = Unit  # one combination of variant values and the runner holding its graphs (graphs/face.py)
 
 
-class VariantRunner:
+class VariantRunner(RunnerFace):
     """Graphs of ``fn`` per bucket and per variant value. Build it with :func:`graphctl.graphed`
-    and ``variants=``; see the module docstring for the constraints."""
+    and ``variants=``; see the module docstring for the constraints. Its ``report``, ``verify``,
+    ``audit``, ``coverage``, ``measure`` and ``repoint`` are every runner's (``graphs/face.py``),
+    over one unit per combination."""
 
     def __init__(self, fn: Callable[..., Any], options: Options, /) -> None:
         functools.update_wrapper(self, fn)
@@ -81,7 +73,7 @@ class VariantRunner:
         self._fallbacks: dict[str, int] = {}
         self._captured = False
         self._by_key: dict[tuple, Variant] = {}
-        order: list[Variant] = []
+        order: list[Unit] = []
         for combo in itertools.product(*(values for _, values in options.variants)):
             values = tuple((name, v) for name, (v, _) in zip(self._names, combo))
             own = [set(bk) for _, bk in combo if bk is not None]  # a value's own buckets replace the runner's
@@ -96,10 +88,10 @@ class VariantRunner:
             sub = dataclasses.replace(options, variants=None, pool=self._pool, buckets=Buckets(allowed),
                                       inputs=None if options.inputs is None else
                                       tuple(si.resolved(named) for si in options.inputs))
-            v = Variant(values, GraphRunner(fn, sub))
+            v = Unit(values, GraphRunner(fn, sub))
             self._by_key[tuple(variant_key(x) for _, x in values)] = v
             order.append(v)
-        self.variants: tuple[Variant, ...] = tuple(order)  # declared order: reports, verify, coverage
+        self.variants: tuple[Unit, ...] = tuple(order)  # declared order: reports, verify, coverage
         # captured largest first (the most rows a graph takes: bucket x rows per item), so that later
         # graphs reuse the blocks earlier ones freed, as the buckets within a runner do
         self._order = tuple(sorted(order, key=lambda v: -v.runner.buckets.largest * max(
@@ -158,12 +150,21 @@ class VariantRunner:
             out[si.name] = t.index_select(si.dim, idx)
         return out
 
+    def units(self) -> tuple[Unit, ...]:
+        return self.variants
+
+    def _own_fallbacks(self) -> dict[str, int]:
+        return dict(self._fallbacks)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._captured:
             self.capture_all(*args, **kwargs)
         get = self._sig.get
+        values = [get(args, kwargs, n) for n in self._names]
+        if any(v is inspect.Parameter.empty for v in values):
+            self._sig.bind(args, kwargs)  # a variant argument left out: the TypeError Python would raise
         try:
-            v = self._by_key.get(tuple(variant_key(get(args, kwargs, n)) for n in self._names))
+            v = self._by_key.get(tuple(variant_key(x) for x in values))
         except TypeError:  # an unhashable value (a list): no variant, named below
             v = None
         if v is None:
@@ -218,60 +219,4 @@ class VariantRunner:
     buckets = property(lambda self: self.options.buckets)
     fallback = property(lambda self: self.options.fallback)
 
-    @property
-    def captured(self) -> tuple[tuple[str, int], ...]:
-        """``(variant label, bucket)`` of every graph, variants in capture order, buckets smallest first."""
-        return tuple((v.label, b) for v in self.variants for b in v.runner.captured)
-
-    @property
-    def fallbacks(self) -> dict[str, int]:
-        """Eager fallbacks so far by reason: unlisted values, and each variant's own (labelled)."""
-        out = dict(self._fallbacks)
-        for v in self.variants:
-            out.update({f"{v.label}: {r}": c for r, c in v.runner.fallbacks.items()})
-        return out
-
-    def measure(self, iters: int = 20) -> VariantRunner:
-        for v in self.variants:
-            v.runner.measure(iters)
-        return self
-
-    def coverage(self, sizes: Any = None) -> dict[tuple[str, int], str]:
-        """``(variant label, n)`` -> what served it (``GraphRunner.coverage`` per variant)."""
-        return {(v.label, n): s for v in self.variants for n, s in v.runner.coverage(sizes).items()}
-
-    def verify(self, **options: Any) -> tuple[VerifyResult, ...]:
-        """``GraphRunner.verify`` per variant, each result labelled with its variant."""
-        return tuple(dataclasses.replace(r, variant=v.label) for v in self.variants for r in v.runner.verify(**options))
-
-    def audit(self, params: Any = None, confirm: bool = False) -> dict[tuple[str, int], Audit]:
-        """``GraphRunner.audit`` per variant, keyed ``(variant label, bucket)``."""
-        return {(v.label, b): a for v in self.variants for b, a in v.runner.audit(params, confirm).items()}
-
-    def report(self) -> Report:
-        """One report, a row per (variant, bucket); findings of every variant, each listed once."""
-        parts = [(v, v.runner.report()) for v in self.variants]
-        first = parts[0][1]
-        rows = tuple(dataclasses.replace(b, variant=v.label) for v, r in parts for b in r.buckets)
-        compile: dict[int, dict[str, int]] = {}
-        for _, r in parts:  # dynamo's work summed per bucket size over the variants
-            for b, st in r.compile.items():
-                into = compile.setdefault(b, {})
-                for k, c in st.items():
-                    into[k] = into.get(k, 0) + c
-        return dataclasses.replace(
-            first, function=getattr(self.fn, "__qualname__", repr(self.fn)), buckets=rows, fallbacks=self.fallbacks,
-            eager_streak=max(r.eager_streak for _, r in parts), bypassed=any(r.bypassed for _, r in parts),
-            side_effects=_once(e for _, r in parts for e in r.side_effects),
-            host_changes=_once(h for _, r in parts for h in r.host_changes),
-            padding_hazards=_once(z for _, r in parts for z in r.padding_hazards),
-            unreached=_once(u for _, r in parts for u in r.unreached),
-            compiled=tuple(dict.fromkeys(s for _, r in parts for s in r.compiled)), compile=compile,
-            reach={k: max(r.reach.get(k, 0) for _, r in parts) for k in first.reach})
-
-
-def _once(items: Any) -> tuple[dict[str, Any], ...]:
-    seen: dict[str, dict[str, Any]] = {}
-    for d in items:
-        seen.setdefault(repr(sorted(d.items())), d)
-    return tuple(seen.values())
+    captured = RunnerFace.keys  # (variant label, bucket) of every graph: declared order, buckets smallest first

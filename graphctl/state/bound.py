@@ -30,7 +30,7 @@ from graphctl.state import paths, recorded, writes
 from graphctl.state.arena import allocate_arenas, make_groups
 from graphctl.state.interrupts import deferred, in_user_code
 from graphctl.state.native import native_step
-from graphctl.state.phase import capturing, resolve_phase
+from graphctl.state.phase import capturing, check_given, resolve_phase
 from graphctl.state.plan import PHASES, Plan, compile_spec
 from graphctl.state.registry import Registry, default_registry
 from graphctl.state.spec import CopyInPlace
@@ -331,6 +331,8 @@ class BoundState:
         matches the capture status, every attribute is bound as expected, observers hear of it,
         and (knobs) derived buffers are checked and fingerprints taken for :meth:`_leave`."""
         live = capturing(self.device)
+        if sw.phase == "capture":
+            check_given(self)
         if (self.device.type == "cuda" or live) and live != (sw.phase == "capture"):  # CPU: may rehearse any
             raise SwitchError("phase does not match the capture status", expected="capture" if live
                               else "eager or replay", found=sw.phase,

@@ -15,13 +15,17 @@ from typing import Any
 import torch
 
 from graphctl import bindings
+from graphctl.errors import CaptureError
 
-__all__ = ["recording", "paused", "is_recording", "capturing", "resolve_phase", "capture_invalidated"]
+__all__ = ["recording", "paused", "is_recording", "capturing", "resolve_phase", "capture_invalidated", "given",
+           "check_given"]
 
 # The frame that entered ``recording()``, or None. The flag is true only while that frame is on
 # the stack: a Ctrl-C that lands in the cleanup of ``recording()`` (before its reset ran) can then
 # never leave a stale "capture in progress" behind for every later switch to trip over.
 _RECORDING: contextvars.ContextVar[Any] = contextvars.ContextVar("graphctl_recording", default=None)
+# The bound states a running graphctl capture was given (None: no graphctl capture runs here)
+_GIVEN: contextvars.ContextVar[tuple[Any, ...] | None] = contextvars.ContextVar("graphctl_given", default=None)
 
 
 @contextlib.contextmanager
@@ -86,3 +90,29 @@ def capture_invalidated(device: torch.device) -> bool:
         return False
     err, status = rt.cudaStreamIsCapturing(torch.cuda.current_stream(device).cuda_stream)
     return int(err) == 0 and int(status) == int(rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusInvalidated)
+
+
+@contextlib.contextmanager
+def given(*states: Any) -> Iterator[None]:
+    """A graphctl capture runs in the block and was given ``states`` (None entries ignored): a
+    switch of any other bound state entered there in the ``capture`` phase is refused."""
+    token = _GIVEN.set(tuple(s for s in states if s is not None))
+    try:
+        yield
+    finally:
+        _GIVEN.reset(token)
+
+
+def check_given(state: Any) -> None:
+    """Refuse a ``capture``-phase switch of ``state`` inside a graphctl capture that was not given
+    it: the runner would neither refresh its draft twins around a replay nor check its buffers'
+    addresses, so the graph would replay the capture's contents (on CUDA: draft outputs of zeros)."""
+    known = _GIVEN.get()
+    if known is None or any(s is state for s in known):
+        return
+    raise CaptureError("a switch of a bound state the graphed forward was not given, entered during its capture",
+                      buffer=type(state.obj).__qualname__,
+                      expected="the state passed to graphed(..., state=...)" if known else "no state (state=None)",
+                      found=f"state.switch of a {type(state.obj).__qualname__} bound elsewhere",
+                      fix="pass that bound state as state= to graphed() (the runner then refreshes and checks it "
+                          "around every replay)")

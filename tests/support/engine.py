@@ -64,3 +64,18 @@ def thresholds(conf: torch.Tensor, margin: float = 1e-3) -> list[float]:
     vals = sorted(set(conf.flatten().tolist()))
     mids = [(a + b) / 2 for a, b in zip(vals, vals[1:]) if b - a > 2 * margin]
     return [0.0, 1.01] + mids
+
+
+def move_every_buffer(eng) -> graphctl.BoundState:
+    """Reallocate every declared tensor of the metadata (same layout, same values), as a grown
+    pool or a reallocated table does, and bind the object again."""
+    m = eng.meta
+    for name in list(eng.state.plan.buffers):
+        old = getattr(m, name, None)
+        if isinstance(old, torch.Tensor) and "." not in name:
+            fresh = torch.empty_strided(old.shape, old.stride(), dtype=old.dtype, device=old.device,
+                                        pin_memory=old.is_pinned() if old.device.type == "cpu" else False)
+            fresh.copy_(old)
+            setattr(m, name, fresh)
+    m.kv_lens_runtime = m.kv_lens[: m.kv_lens.numel()]  # the declared alias follows its base
+    return graphctl.bind(m, registry=eng.registry)

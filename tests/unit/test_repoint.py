@@ -9,6 +9,7 @@ import torch
 import graphctl
 from graphctl.graphs import StaticInput
 from graphctl.models.mtp import EngineConfig, MTPEngine
+from support.engine import move_every_buffer as _move_every_buffer
 
 
 def _engine(device: str, gen: torch.Generator):
@@ -26,21 +27,6 @@ def _prepare(eng, n: int, gen: torch.Generator) -> torch.Tensor:
     kv = torch.randint(k1 + 1, eng.cfg.max_context - 2 * k1, (n,), generator=gen, dtype=torch.int32)
     eng.meta.prepare(eng.state, torch.full((n,), k1, dtype=torch.int32), kv)
     return torch.randint(0, eng.cfg.vocab, (n * k1,), generator=gen).to(eng.device)
-
-
-def _move_every_buffer(eng) -> graphctl.BoundState:
-    """Reallocate every declared tensor of the metadata (same layout, same values), as a grown
-    pool or a reallocated table does, and bind the object again."""
-    m = eng.meta
-    for name in list(eng.state.plan.buffers):
-        old = getattr(m, name, None)
-        if isinstance(old, torch.Tensor) and "." not in name:
-            fresh = torch.empty_strided(old.shape, old.stride(), dtype=old.dtype, device=old.device,
-                                        pin_memory=old.is_pinned() if old.device.type == "cpu" else False)
-            fresh.copy_(old)
-            setattr(m, name, fresh)
-    m.kv_lens_runtime = m.kv_lens[: m.kv_lens.numel()]  # the declared alias follows its base
-    return graphctl.bind(m, registry=eng.registry)
 
 
 def test_every_declared_buffer_moved_repointed_replay_equals_eager_and_audit_clean(backend, device, gen):

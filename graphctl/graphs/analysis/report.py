@@ -109,6 +109,38 @@ class Report:
     # draws from a default or an undeclared generator (graphs/randomness.py): generator, op, where
     random_state: tuple[dict[str, Any], ...] = ()
 
+    @classmethod
+    def merge(cls, function: str, parts: list[tuple[str, Report]], fallbacks: dict[str, int]) -> Report:
+        """One report of several units' (``(variant label, report)``, a plain runner's one unlabelled):
+        a row per (variant, bucket); every finding of every unit, each listed once (every field
+        holding findings, so a finding kind added later is merged too); dynamo's work summed per
+        bucket size; the reach counts at their largest."""
+        first = parts[0][1]
+        merged: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            values = [getattr(r, f.name) for _, r in parts]
+            if f.name == "buckets":
+                merged[f.name] = tuple(dataclasses.replace(b, variant=label) for label, r in parts for b in r.buckets)
+            elif f.name == "compile":
+                total: dict[int, dict[str, int]] = {}
+                for st_by_bucket in values:
+                    for b, st in st_by_bucket.items():
+                        into = total.setdefault(b, {})
+                        for k, c in st.items():
+                            into[k] = into.get(k, 0) + c
+                merged[f.name] = total
+            elif f.name == "reach":
+                merged[f.name] = {k: max(v.get(k, 0) for v in values) for k in first.reach}
+            elif isinstance(f.default, tuple):  # a tuple of findings (dicts) or of names: each listed once
+                seen: dict[str, Any] = {}
+                for v in values:
+                    for item in v:
+                        seen.setdefault(repr(sorted(item.items())) if isinstance(item, dict) else repr(item), item)
+                merged[f.name] = tuple(seen.values())
+        return dataclasses.replace(first, function=function, fallbacks=fallbacks,
+                                   eager_streak=max(r.eager_streak for _, r in parts),
+                                   bypassed=any(r.bypassed for _, r in parts), **merged)
+
     @property
     def uncompiled(self) -> int:
         """Compiled frames run uncompiled during the capture pass, over every bucket."""

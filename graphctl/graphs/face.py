@@ -1,0 +1,161 @@
+"""The one face every runner shows: each operation defined once, over the runner's units.
+
+A runner is one or more *units*: a :class:`~graphctl.graphs.runner.GraphRunner` per combination
+of variant values (``graphs/variants.py``); a plain runner is the one-unit case, its label ``""``.
+What a capture holds is keyed by :class:`Key` ``(variant, bucket)``. Every operation a user
+runs on a runner is defined here, once, over the units: ``capture_all``, ``report`` (one
+:class:`~graphctl.graphs.analysis.report.Report`, its findings merged over every unit),
+``verify``, ``audit`` (and ``confirm``), ``coverage``, ``measure`` and ``repoint`` (every unit
+checked before any is rewritten). So a capture form that is a set of units gets every check by
+construction, and a plain and a variant runner answer alike.
+
+A :class:`Key` of the plain runner equals its bucket (``audit()[8]``); a variant key equals the
+tuple ``("k=3", 8)``; both unpack as ``variant, bucket``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+from graphctl.errors import CaptureError, RepointError
+from graphctl.graphs import measure as _measure
+from graphctl.graphs.analysis.audit import Audit
+from graphctl.graphs.analysis.confirm import audit_runner
+from graphctl.graphs.analysis.report import Report
+from graphctl.graphs.analysis.verify import VerifyResult
+from graphctl.graphs.analysis.verify import verify as _verify
+from graphctl.graphs.repoint import plan_repoint
+from graphctl.state.interrupts import deferred
+
+__all__ = ["Key", "Unit", "RunnerFace"]
+
+
+class Key(NamedTuple):
+    """One graph of a runner: its variant's label (``""`` for a plain runner) and its bucket (or,
+    in ``coverage()``, the batch size). A plain runner's key equals the bare int."""
+
+    variant: str
+    bucket: int
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, int) and not isinstance(other, bool):
+            return self.variant == "" and self.bucket == other
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self.bucket) if self.variant == "" else tuple.__hash__(self)
+
+    def __str__(self) -> str:
+        return f"{self.variant} bucket {self.bucket}" if self.variant else f"bucket {self.bucket}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unit:
+    """One combination of variant values and the runner holding its graphs."""
+
+    values: tuple[tuple[str, Any], ...]  # (argument, value), in declared order; () for a plain runner
+    runner: Any  # a GraphRunner
+
+    @property
+    def label(self) -> str:  # "k=3" or "k=3, first=True": report rows, verify results, keys
+        return ", ".join(f"{n}={v!r}" for n, v in self.values)
+
+
+class RunnerFace:
+    """The operations every runner has, defined once over :meth:`units` (see the module docstring)."""
+
+    fn: Any
+
+    def units(self) -> tuple[Unit, ...]:
+        """Every unit, in declared order (a plain runner: itself, unlabelled)."""
+        raise NotImplementedError
+
+    def _own_fallbacks(self) -> dict[str, int]:
+        """Fallbacks the runner counts itself, beside its units' (a variant runner: unlisted values)."""
+        return {}
+
+    @property
+    def keys(self) -> tuple[Key, ...]:
+        """Every captured graph's key, units in declared order, buckets smallest first."""
+        return tuple(Key(u.label, b) for u in self.units() for b in u.runner._buckets_captured())
+
+    def report(self) -> Report:
+        """One report: a row per (variant, bucket), every unit's findings merged, each listed once."""
+        parts = [(u.label, u.runner._unit_report()) for u in self.units()]
+        return Report.merge(getattr(self.fn, "__qualname__", repr(self.fn)), parts, self.fallbacks)
+
+    def verify(self, **options: Any) -> tuple[VerifyResult, ...]:
+        """Eager against replay per (variant, bucket), outputs and padding poisoned
+        (``analysis/verify.py``: gen, rtol, atol, writes, inside)."""
+        out = []
+        for u in self.units():
+            u.runner._captured_or_raise("verify()")
+            out += [dataclasses.replace(r, variant=u.label) for r in _verify(u.runner, **options)]
+        return tuple(out)
+
+    def audit(self, params: Any = None, confirm: bool = False) -> dict[Key, Audit]:
+        """Per (variant, bucket), the pointer and segment audits (``graphs/analysis/audit.py``).
+        ``params``: the model tensors the forward reads (module, mapping or iterable; default
+        ``params=`` or a decorated method's module). ``confirm``: replay with each possible finding's
+        freed block poisoned (``analysis/confirm.py``); the caller's state is put back."""
+        out: dict[Key, Audit] = {}
+        for u in self.units():
+            r = u.runner
+            cap = r._captured_or_raise("audit()")
+            found = audit_runner(r, params, confirm, replay=lambda b, r=r, cap=cap: r._replay(cap.graphs[b], cap))
+            out.update({Key(u.label, b): a for b, a in found.items()})
+        return out
+
+    def coverage(self, sizes: Iterable[int] | None = None) -> dict[Key, str]:
+        """Per (variant, batch size ``n``) (default 1 .. the largest bucket, capped at the example's
+        items), what served a call on the example's first ``n`` items: ``"bucket B"``,
+        ``"eager: <reason>"`` or ``"error: <message>"``."""
+        out: dict[Key, str] = {}
+        for u in self.units():
+            u.runner._captured_or_raise("coverage()")
+            out.update({Key(u.label, n): s for n, s in _measure.coverage(u.runner, sizes).items()})
+        return out
+
+    def measure(self, iters: int = 20) -> Any:
+        """Median µs of the graphed call and of the eager forward, per (variant, bucket), into the
+        report's rows (``graphs/measure.py``)."""
+        for u in self.units():
+            u.runner._captured_or_raise("measure()")
+            _measure.measure(u.runner, iters)
+        return self
+
+    def repoint(self, state: Any) -> dict[Key, int]:
+        """Re-point every graph at ``state``, bound again after buffers moved (``graphs/repoint.py``):
+        every unit checked before any is rewritten; per key, the nodes (CUDA) or recorded tensors
+        (emulated) rewritten."""
+        units = self.units()
+        if not any(u.runner.captured for u in units):
+            raise CaptureError("nothing captured yet", expected="capture_all() or a call first", found="no graphs",
+                               fix="call capture_all(*example) before repoint()")
+        plans = [(u, plan_repoint(u.runner, state)) for u in units]  # RepointError here: nothing changed
+        done: dict[Key, int] = {}
+        with deferred():  # every unit rewritten, or every graph dropped
+            try:
+                for u, apply in plans:
+                    done.update({Key(u.label, b): n for b, n in apply().items()})
+            except BaseException as exc:
+                for u in units:
+                    u.runner.reset()
+                    u.runner.state = state
+                if not isinstance(exc, RepointError):
+                    exc.add_note("graphctl: re-pointing failed partway; every captured graph was dropped (the next "
+                                 "call captures again, against the new state)")
+                raise
+        return done
+
+    @property
+    def fallbacks(self) -> dict[str, int]:
+        """Eager fallbacks so far, by reason (a copy; a variant's own labelled with it)."""
+        out = self._own_fallbacks()
+        for u in self.units():
+            out.update({(f"{u.label}: {r}" if u.label else r): c for r, c in u.runner._fallbacks.items()})
+        return out
