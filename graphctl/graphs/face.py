@@ -15,6 +15,7 @@ tuple ``("k=3", 8)``; both unpack as ``variant, bucket``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -29,6 +30,10 @@ from graphctl.graphs.repoint import plan_repoint
 from graphctl.state.interrupts import deferred
 
 __all__ = ["Key", "Unit", "RunnerFace"]
+
+
+def _replay_bucket(runner: Any, cap: Any, bucket: int) -> None:
+    runner._replay(cap.graphs[bucket], cap)
 
 
 class Key(NamedTuple):
@@ -106,7 +111,7 @@ class RunnerFace:
         for u in self.units():
             r = u.runner
             cap = r._captured_or_raise("audit()")
-            found = audit_runner(r, params, confirm, replay=lambda b, r=r, cap=cap: r._replay(cap.graphs[b], cap))
+            found = audit_runner(r, params, confirm, replay=functools.partial(_replay_bucket, r, cap))
             out.update({Key(u.label, b): a for b, a in found.items()})
         return out
 

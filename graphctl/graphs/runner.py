@@ -252,7 +252,8 @@ class GraphRunner(RunnerFace):
     def captured(self) -> tuple[int, ...]:  # the buckets captured, smallest first
         return tuple(sorted(self.capture.graphs)) if self.capture is not None else ()
 
-    _buckets_captured = captured.fget  # what face.py keys by
+    def _buckets_captured(self) -> tuple[int, ...]:  # what face.py keys by
+        return self.captured
 
     @property
     def inputs(self) -> tuple[StaticInput, ...]:
