@@ -11,7 +11,9 @@
 // root: None (same root as the previous entry: keep its first `keep` steps), a cell (its
 // contents), a 1-tuple (a constant), a (dict, key) pair (a global) or a callable taking
 // (args, kwargs) (an argument); steps: ((is_attribute, name or key), ...) after the kept ones;
-// tensor_ref: a weak reference to the capture's tensor; ptr: its data address.
+// tensor_ref: a weak reference to the capture's tensor; ptr: its data address; or, for an object
+// that is not a tensor (a declared generator, a manager), the object itself and ptr None: compared
+// by identity.
 // A lookup that raises AttributeError, IndexError, KeyError or TypeError means "moved" (False);
 // anything else (a property that raised KeyboardInterrupt) propagates as itself.
 #include <Python.h>
@@ -63,21 +65,27 @@ int resolve_root(PyObject* root, PyObject* args, PyObject* kwargs, Ref& out) {
   return 1;
 }
 
-// The tensor a weak reference points to is `leaf`, and it still has the capture's address.
+// `leaf` is a tensor whose data starts at the address `ptr` holds.
+bool at_address(PyObject* leaf, PyObject* ptr) {
+  if (!THPVariable_Check(leaf)) return false;
+  const at::Tensor& t = THPVariable_Unpack(leaf);
+  if (!t.has_storage()) return false;
+  return PyLong_AsUnsignedLongLong(ptr) == reinterpret_cast<uintptr_t>(t.const_data_ptr());
+}
+
+// The tensor a weak reference points to is `leaf`, and it still has the capture's address; or,
+// with ptr None, `leaf` is the object itself.
 bool same_tensor(PyObject* leaf, PyObject* tensor_ref, PyObject* ptr) {
+  if (ptr == Py_None) return leaf == tensor_ref;
 #if PY_VERSION_HEX >= 0x030D0000
   PyObject* got = nullptr;  // PyWeakref_GetObject is deprecated from 3.13
   if (PyWeakref_GetRef(tensor_ref, &got) < 0) PyErr_Clear();
   Ref want(got);
-  if (leaf != want.p || !THPVariable_Check(leaf)) return false;
+  return leaf == want.p && at_address(leaf, ptr);
 #else
   PyObject* want = PyWeakref_GetObject(tensor_ref);  // borrowed; Py_None once the tensor died
-  if (leaf != want || !THPVariable_Check(leaf)) return false;
+  return leaf == want && at_address(leaf, ptr);
 #endif
-  const at::Tensor& t = THPVariable_Unpack(leaf);
-  if (!t.has_storage()) return false;
-  auto addr = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-  return PyLong_AsUnsignedLongLong(ptr) == addr;
 }
 
 PyObject* paths_hold(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
@@ -114,9 +122,35 @@ PyObject* paths_hold(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t arg
   return Py_NewRef(Py_True);
 }
 
+// tensors_hold(refs, ptrs): every weak reference of `refs` still points to a live tensor at the
+// address of the same position of `ptrs` (a model's weights between two module-registration
+// events: their paths cannot have changed, their storage can: `p.data = ...`).
+PyObject* tensors_hold(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
+  if (argc != 2 || !PyTuple_Check(argv[0]) || !PyTuple_Check(argv[1]) ||
+      PyTuple_GET_SIZE(argv[0]) != PyTuple_GET_SIZE(argv[1])) {
+    PyErr_SetString(PyExc_TypeError, "tensors_hold(refs: tuple, ptrs: tuple of the same length)");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(argv[0]); ++i) {
+    PyObject* ref = PyTuple_GET_ITEM(argv[0], i);
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject* got = nullptr;
+    if (PyWeakref_GetRef(ref, &got) < 0) PyErr_Clear();
+    Ref t(got);
+    PyObject* leaf = t.p;
+#else
+    PyObject* leaf = PyWeakref_GetObject(ref);  // borrowed; Py_None once the tensor died
+#endif
+    if (leaf == nullptr || !at_address(leaf, PyTuple_GET_ITEM(argv[1], i))) return Py_NewRef(Py_False);
+  }
+  return Py_NewRef(Py_True);
+}
+
 PyMethodDef methods[] = {
     {"paths_hold", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(paths_hold)), METH_FASTCALL,
      "paths_hold(program, args, kwargs) -> bool: every path still leads to its capture's tensor (rebinding.py)"},
+    {"tensors_hold", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tensors_hold)), METH_FASTCALL,
+     "tensors_hold(refs, ptrs) -> bool: every weakly referenced tensor alive at its address (rebinding.py)"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

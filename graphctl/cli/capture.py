@@ -22,8 +22,8 @@ import torch
 
 import graphctl
 from graphctl.cli.target import load_target
-from graphctl.graphs.face import Key
 from graphctl.errors import CaptureError, GraphctlError, did_you_mean
+from graphctl.graphs.face import Key
 
 __all__ = ["run_capture", "derive_buckets", "coverage_rows", "SCHEMA"]
 

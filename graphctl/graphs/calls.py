@@ -8,14 +8,31 @@ capture-time values silently.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from graphctl.errors import ReplayError
+from graphctl.graphs.compiled import unwrap
 from graphctl.graphs.frozen import first_change, freeze
 
-__all__ = ["Signature", "frozen_change"]
+__all__ = ["Signature", "frozen_change", "name_of", "wraps"]
+
+
+def name_of(fn: Any) -> str:
+    """How graphctl names a forward in messages: its qualified name; a module (compiled or not)
+    by its class and ``forward``."""
+    if isinstance(fn, torch.nn.Module):
+        return f"{type(unwrap(fn).__self__).__qualname__}.forward"
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def wraps(wrapper: Any, fn: Callable[..., Any]) -> None:
+    """``functools.update_wrapper`` for a runner: a module's state never copied into it."""
+    functools.update_wrapper(wrapper, fn, updated=() if isinstance(fn, torch.nn.Module) else ("__dict__",))
 
 
 class Signature:
@@ -26,7 +43,8 @@ class Signature:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        self.sig = inspect.signature(fn)
+        # a module's parameters are its forward's (its __call__ takes *args, **kwargs)
+        self.sig = inspect.signature(unwrap(fn) if isinstance(fn, torch.nn.Module) else fn)
         self.names = list(self.sig.parameters)
         self.position = {p: i for i, p in enumerate(self.names)}
         # With *args/**kwargs in the signature an argument's position is not fixed: bind fully.
@@ -39,7 +57,7 @@ class Signature:
         try:
             ba = self.sig.bind(*args, **kwargs)
         except TypeError as exc:
-            raise TypeError(f"{getattr(self.fn, '__qualname__', self.fn)}(): {exc}") from None
+            raise TypeError(f"{name_of(self.fn)}(): {exc}") from None
         ba.apply_defaults()
         return ba.arguments
 

@@ -26,6 +26,7 @@ from graphctl.graphs.analysis.confirm import audit_runner
 from graphctl.graphs.analysis.report import Report
 from graphctl.graphs.analysis.verify import VerifyResult
 from graphctl.graphs.analysis.verify import verify as _verify
+from graphctl.graphs.calls import name_of
 from graphctl.graphs.repoint import plan_repoint
 from graphctl.state.interrupts import deferred
 
@@ -91,7 +92,7 @@ class RunnerFace:
     def report(self) -> Report:
         """One report: a row per (variant, bucket), every unit's findings merged, each listed once."""
         parts = [(u.label, u.runner._unit_report()) for u in self.units()]
-        return Report.merge(getattr(self.fn, "__qualname__", repr(self.fn)), parts, self.fallbacks)
+        return Report.merge(name_of(self.fn), parts, self.fallbacks)
 
     def verify(self, **options: Any) -> tuple[VerifyResult, ...]:
         """Eager against replay per (variant, bucket), outputs and padding poisoned

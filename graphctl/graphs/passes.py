@@ -40,6 +40,7 @@ from graphctl.graphs import compiled, hoststate, pieces, reach, rebinding
 from graphctl.graphs.analysis.audit import param_tensors
 from graphctl.graphs.analysis.nodes import Region
 from graphctl.graphs.bucket import BucketGraph, gc_held, segments_from_marks, settle_slicing, spans_from_marks
+from graphctl.graphs.calls import name_of
 from graphctl.graphs.capture import Capture
 from graphctl.graphs.effects import storage_key
 from graphctl.graphs.options import Options
@@ -60,16 +61,19 @@ def capture_buckets(fn: Callable[..., Any], cap: Capture, opts: Options, argumen
     write tracker watches, host values before, compiled callables) and after them (host values
     after, the paths to check, what is reached at all)."""
     p = _Passes(fn, cap, opts)
-    name = getattr(fn, "__qualname__", fn)
+    name = name_of(fn)
     start = reach.roots(fn, arguments, opts.params, cap.sig.get)
-    first = reach.walk(start, skip=fn)
+    # the forward itself is never a site nor entered (the runner calls it); a module passed as the forward is the
+    # walk's "self" root, its parameters and buffers reached through it
+    skip = None if isinstance(fn, torch.nn.Module) and not compiled.is_compiled(fn) else fn
+    first = reach.walk(start, skip=skip)
     compiled.refuse_inductor_graphs(p.fn, first.sites)
     stats: dict[int, dict[str, int]] = {}
     stuck: list[str] = []
     try:
         graphs, workspaces = _passes(p, arguments, first, stats)
     finally:  # whatever happened, the host values are compared (and, by policy, put back)
-        last = reach.walk(start, skip=p.fn)
+        last = reach.walk(start, skip=skip)
         found = hoststate.changes(first.host, last.host)
         if found and p.opts.host_state != "warn":
             stuck = hoststate.put_back(first.host, found)
@@ -80,8 +84,10 @@ def capture_buckets(fn: Callable[..., Any], cap: Capture, opts: Options, argumen
             " (put back)" if not stuck else f" (put back, except {'; '.join(stuck)})"
         log.warning("graphctl: %s: warmup and capture changed host state the graph may have baked%s: %s",
                     name, done, "; ".join(map(str, found)))
-    skip = _owned(p) | _sources(p.cap.state) | {storage_key(t) for t in _model_tensors(p.opts.params)}
-    checks, unchecked = rebinding.collect(last, p.cap.ledger.used, skip)
+    # declared buffers are checked as the state's entries; copy sources are looked up afresh at every switch
+    skip = _owned(p) | _sources(p.cap.state)
+    checks, unchecked = rebinding.collect(last, p.cap.ledger.used, skip, rebinding.entries_of(p.cap.state))
+    skip |= {storage_key(t) for t in _model_tensors(p.opts.params)}
     if unchecked or last.cuts():
         log.warning("graphctl: %s: the reach walk left state out: %s", name, "; ".join(
             ([f"{sum(unchecked.values())} paths past the {rebinding.MAX_PATHS} checked per replay ("
@@ -115,7 +121,7 @@ class _Passes:
 
 
 def _model_tensors(params: Any) -> list[torch.Tensor]:
-    """The tensors of ``params=`` (the model's weights: never rebound per step, never path-checked)."""
+    """The tensors of ``params=`` (the model's weights: known, never unreached)."""
     try:
         return list(param_tensors(params).values()) if params is not None else []
     except TypeError:  # an unusable params= is the audit's to report, with its message
@@ -208,7 +214,7 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
                     given.restore(added_only=True)
             if untracked is not None and (late := p.cap.ledger.untracked(untracked)):
                 log.warning("graphctl: %s: bucket %d: compiled warmups wrote state the tracked (eager) run did not: "
-                            "it cannot be restored: %s", getattr(p.fn, "__qualname__", p.fn), b,
+                            "it cannot be restored: %s", name_of(p.fn), b,
                             "; ".join(e.path for e in late))
             be.synchronize()
             p.cap.warmup_ms[b] = (time.perf_counter() - t_warm) * 1e3
@@ -221,7 +227,7 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
         skipped = compiled.never_compiled(p.fn, sites)  # dynamo holds no code for them: they run uncompiled
         if skipped:
             log.warning("graphctl: %s: compiled callables with no compiled code after the warmups (dynamo skips them, "
-                        "e.g. after running under a dispatch mode elsewhere): %s", getattr(p.fn, "__qualname__", p.fn),
+                        "e.g. after running under a dispatch mode elsewhere): %s", name_of(p.fn),
                         ", ".join(skipped))
         for st in stats.values():
             st["uncompiled"] = len(skipped)
@@ -293,10 +299,10 @@ def _tracked_warmup(p: _Passes, call: tuple[tuple, dict], watched: dict, lean: b
                            fix="return the tensor from the region and use the returned one (a replay calls the region "
                                "again, and the pieces read only what it returns)")
     for h in list(p.cap.ledger.hazards.values())[known:]:
-        log.warning("graphctl: %s: %s", getattr(p.fn, "__qualname__", p.fn), h)
+        log.warning("graphctl: %s: %s", name_of(p.fn), h)
     if pairs:
         log.info("graphctl: %s writes state it does not own (restored around every warmup, capture, measure "
-                 "and verify run, %d B of snapshots): %s", getattr(p.fn, "__qualname__", p.fn),
+                 "and verify run, %d B of snapshots): %s", name_of(p.fn),
                  p.cap.ledger.nbytes, "; ".join(map(str, p.cap.ledger.effects)))
     return pairs
 

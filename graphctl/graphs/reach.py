@@ -213,12 +213,12 @@ def walk(start: list[Root], skip: Any = None) -> Reach:
                 attrs = vars(v)
             except TypeError:
                 attrs = {}
-            if isinstance(v, torch.nn.Module):
-                kids += [(f"{path}.{n}", steps + ((True, n),), t, "weight", v, "child", n)
+            if isinstance(v, torch.nn.Module):  # steps through its dicts: a C lookup each (its __getattr__ is Python)
+                kids += [(f"{path}.{n}", steps + ((True, "_parameters"), (False, n)), t, "weight", v, "child", n)
                          for n, t in v._parameters.items() if t is not None]
-                kids += [(f"{path}.{n}", steps + ((True, n),), t, "buffer", v, "child", n)
+                kids += [(f"{path}.{n}", steps + ((True, "_buffers"), (False, n)), t, "buffer", v, "child", n)
                          for n, t in v._buffers.items() if t is not None]
-                kids += [(f"{path}.{n}", steps + ((True, n),), m, "state", v, "child", n)
+                kids += [(f"{path}.{n}", steps + ((True, "_modules"), (False, n)), m, "state", v, "child", n)
                          for n, m in v._modules.items() if m is not None]
             kids += [(f"{path}.{k}", steps + ((True, k),), e, "state", v, "attr", k) for k, e in list(attrs.items())
                      if not k.startswith("__") and not (k in _HOOKS and isinstance(v, torch.nn.Module))]

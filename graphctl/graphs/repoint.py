@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from graphctl.errors import RepointError
+from graphctl.graphs.rebinding import with_entries
 from graphctl.state.validate import byte_range
 
 __all__ = ["Move", "entries", "lookup", "moves_between", "plan_repoint"]
@@ -118,6 +119,7 @@ def plan_repoint(runner: Any, new: Any) -> Callable[[], dict[int, int]]:
         for cap in graphs.values():
             cap.manifest = {n: addresses.get(n, a) for n, a in cap.manifest.items()}
             cap.checked = False
+        runner.capture.paths = with_entries(runner.capture.paths, new)  # the declared entries, as bound now
         runner.state = new
         return {b: done.get(b, 0) for b in graphs}
 

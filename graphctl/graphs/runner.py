@@ -40,7 +40,7 @@ from graphctl.graphs.analysis.nodes import Node, census
 from graphctl.graphs.analysis.report import Report, Segment
 from graphctl.graphs.backends.cuda import refuse_nested_capture
 from graphctl.graphs.bucket import BucketGraph
-from graphctl.graphs.calls import Signature
+from graphctl.graphs.calls import Signature, name_of, wraps
 from graphctl.graphs.capture import Capture
 from graphctl.graphs.distributed import Agreement, agreed_switch
 from graphctl.graphs.effects import SideEffect
@@ -68,7 +68,7 @@ class GraphRunner(RunnerFace):
     again after ``reset()``). See the module docstring for the constraints."""
 
     def __init__(self, fn: Callable[..., Any], options: Options | None = None, /, **given: Any) -> None:
-        functools.update_wrapper(self, fn)
+        wraps(self, fn)
         self.fn = fn
         self.options = opts = options if options is not None else Options.of(**Options.named("GraphRunner", given))
         self.buckets = opts.buckets
@@ -232,7 +232,7 @@ class GraphRunner(RunnerFace):
         if graph is not None:
             graph.eager_runs += 1
         self._streak += 1
-        name = getattr(self.fn, "__qualname__", self.fn)
+        name = name_of(self.fn)
         log.warning("graphctl: %s runs eagerly: %s", name, err)
         if self._streak == knobs.bypass_window:  # once per streak: graphs that serve nothing are a silent slowdown
             log.warning("graphctl: %s: the last %d calls all ran eagerly, its %d graphs serve nothing (most frequent "
@@ -308,7 +308,7 @@ class GraphRunner(RunnerFace):
     def _unit_report(self) -> Report:
         """This unit's report (``face.py`` merges the units'): per bucket capture ms, pool bytes,
         nodes, segments, replay/eager µs (``analysis/report.py``), and the capture's findings."""
-        name = getattr(self.fn, "__qualname__", repr(self.fn))
+        name = name_of(self.fn)
         if self.capture is None:
             return Report(name, "-", "-", torch.__version__, (), dict(self._fallbacks), eager_streak=self._streak)
         return self.capture.report(name, self.options, dict(self._fallbacks), self._streak)

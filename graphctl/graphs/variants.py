@@ -25,7 +25,6 @@ Constraints (each checked):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import itertools
 import logging
@@ -36,7 +35,7 @@ import torch
 
 from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs.bucket import gc_held
-from graphctl.graphs.calls import Signature
+from graphctl.graphs.calls import Signature, name_of, wraps
 from graphctl.graphs.face import RunnerFace, Unit
 from graphctl.graphs.inputs import Buckets, StaticInput
 from graphctl.graphs.options import Options, SharedPool, per_instance, variant_key
@@ -57,7 +56,7 @@ class VariantRunner(RunnerFace):
     over one unit per combination."""
 
     def __init__(self, fn: Callable[..., Any], options: Options, /) -> None:
-        functools.update_wrapper(self, fn)
+        wraps(self, fn)
         assert options.variants is not None
         self.fn, self.options = fn, options
         self._sig = Signature(fn)
@@ -194,7 +193,7 @@ class VariantRunner(RunnerFace):
             raise err
         reason = f"[{name}] {err.what}"
         self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
-        log.warning("graphctl: %s runs eagerly: %s", getattr(self.fn, "__qualname__", self.fn), err)
+        log.warning("graphctl: %s runs eagerly: %s", name_of(self.fn), err)
         return self.fn(*args, **kwargs)
 
     def runner(self, **values: Any) -> GraphRunner:

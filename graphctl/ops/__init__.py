@@ -19,7 +19,7 @@ from graphctl.ops import reference
 from graphctl.ops._load import STATUS, ExtensionStatus
 
 __all__ = ["swap_through_", "copy_", "fingerprint", "token_to_request_", "loop_condition_", "switch_table", "all_bound",
-           "paths_hold",
+           "paths_hold", "tensors_hold",
            "RECOMPUTE_OPS", "OpArg",
            "extension_status",
            "uses_extension", "reference"]
@@ -140,6 +140,18 @@ def all_bound(obj: Any, pairs: tuple[tuple[str, Any], ...]) -> bool:
     if _C is not None and uses_extension():
         return bool(_C.all_bound(obj, pairs))
     return all(getattr(obj, n, None) is w for n, w in pairs)
+
+
+def tensors_hold(refs: tuple, ptrs: tuple) -> bool:
+    """Whether every weakly referenced tensor of ``refs`` is alive at its address in ``ptrs``, in
+    one C call (``graphctl.graphs.rebinding``'s weights); a Python loop without the extension."""
+    if _C is not None and uses_extension():
+        return bool(_C.tensors_hold(refs, ptrs))
+    for ref, ptr in zip(refs, ptrs):
+        t = ref()
+        if t is None or t.data_ptr() != ptr:
+            return False
+    return True
 
 
 def paths_hold(program: tuple, args: tuple, kwargs: dict, walk: Any) -> bool:

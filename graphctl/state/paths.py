@@ -17,7 +17,7 @@ from typing import Any
 from graphctl.errors import BindError
 from graphctl.state.spec import CopyInPlace, Recompute, StateSpec, Swap
 
-__all__ = ["get", "put", "is_path", "expand_spec"]
+__all__ = ["get", "put", "is_path", "steps", "expand_spec"]
 
 _MISSING = object()
 _TOKEN = re.compile(r"\.?([A-Za-z_]\w*)|\[(\d+|\*|'[^']*'|\"[^\"]*\")\]")
@@ -38,6 +38,11 @@ def _parse(path: str) -> tuple[tuple[bool, Any], ...]:
             out.append((True, int(k) if k.isdigit() else k if k == "*" else k[1:-1]))
         pos = m.end()
     return tuple(out)
+
+
+def steps(name: str) -> tuple[tuple[bool, Any], ...]:
+    """``((is_attribute, name or key), ...)``: the lookups from the object to entry ``name``."""
+    return tuple((not is_item, key) for is_item, key in _parse(name)) if is_path(name) else ((True, name),)
 
 
 def is_path(name: str) -> bool:

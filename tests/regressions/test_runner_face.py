@@ -83,3 +83,147 @@ def test_a_variant_runner_has_every_operation_of_a_plain_one(gen):
     assert set(vr.audit()) == set(done) and all(not a.errors for a in vr.audit().values())
     assert {k for k in vr.coverage(range(1, 5))} == {(f"k={k}", n) for k in (1, 3) for n in range(1, 5)}
     assert vr.measure(iters=2) is vr and all(b.replay_us is not None for b in vr.report().buckets)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, gen: torch.Generator) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("how", ["parameter", "data", "layer", "model", "assign_state_dict"])
+def test_a_weight_rebound_after_capture_is_refused_by_name(how, backend, device, gen):
+    # Regression: issue 52, a weight rebound after capture (a fine-tuning loop, a LoRA swap, a reload) gave stale
+    # outputs silently: parameters were left out of the per-replay path check.
+    class Engine:  # a plain object holding the model, as serving engines do
+        pass
+
+    eng = Engine()
+    eng.model = _Net(gen).to(device)
+    run = graphctl.graphed(lambda x: eng.model(x), buckets=[2], backend=backend, progress=False)
+    x = torch.randn(2, 4, generator=gen).to(device)
+    with torch.no_grad():
+        run.capture_all(x)
+        new = _Net(gen).to(device)
+        if how == "parameter":
+            eng.model.layers[1].weight = torch.nn.Parameter(new.layers[1].weight.detach().clone())
+        elif how == "data":
+            eng.model.layers[1].weight.data = new.layers[1].weight.detach().clone()
+        elif how == "layer":
+            eng.model.layers[0] = new.layers[0]
+        elif how == "model":
+            eng.model = new
+        else:
+            eng.model.load_state_dict(new.state_dict(), assign=True)
+        with pytest.raises(graphctl.ReplayError, match="rebound|replaced") as err:
+            run(x)
+    assert err.value.buffer in {"eng.model", "eng.model.layers.0", "eng.model.layers.1.weight",
+                                "eng.model.layers.0.weight"}, err.value.buffer
+    assert "reset()" in err.value.fix
+
+
+def test_weights_updated_in_place_are_read_by_the_next_replay(backend, device, gen):
+    # Regression: issue 52, the weight check must not refuse the supported update: in place, at the same address.
+    net = _Net(gen).to(device)
+    run = graphctl.graphed(net.forward, buckets=[2], backend=backend, progress=False)
+    x = torch.randn(2, 4, generator=gen).to(device)
+    with torch.no_grad():
+        run.capture_all(x)
+        net.load_state_dict(_Net(gen).state_dict())  # copies into the captured parameters
+        want = net(x).clone()
+        torch.testing.assert_close(run(x).clone(), want)
+        torch.nn.Linear(3, 3)  # any module built later (a registration elsewhere) changes nothing
+        torch.testing.assert_close(run(x).clone(), want)
+
+
+def test_a_declared_generator_or_buffer_replaced_after_capture_is_refused(backend, device, gen):
+    # Regression: issue 52, a declared object entry replaced after capture was refused at a switch's entry only: a
+    # graph with no switch kept drawing from the old generator, so m.generator = Generator().manual_seed(42) had no
+    # effect; a declared buffer rebound after the first replay was read at its old address.
+    class Meta:
+        def __init__(self) -> None:
+            self.generator = torch.Generator(device=device).manual_seed(1)
+            self.scale = torch.full((4,), 2.0, device=device)
+
+    spec = graphctl.StateSpec("issue52_gen")
+    spec.object("generator")
+    spec.buffer("scale", shape=("S",), dtype=torch.float32)
+    reg = graphctl.Registry()
+    reg.register(Meta, spec)
+    m = Meta()
+    st = graphctl.bind(m, registry=reg)
+
+    def fwd(x, meta):
+        return x * meta.scale + torch.rand(x.shape, generator=meta.generator, device=x.device)
+
+    run = graphctl.graphed(fwd, buckets=[2], state=st, inputs=["x"], backend=backend, progress=False)
+    x = torch.zeros(2, 4, device=device)
+    run.capture_all(x, m)
+    run(x, m)
+    m.generator.manual_seed(42)  # reseeded in place: the graph draws from it
+    got = run(x, m).clone()
+    want = torch.rand(x.shape, generator=torch.Generator(device=device).manual_seed(42), device=device)
+    torch.testing.assert_close(got, want)
+    old = m.generator
+    m.generator = torch.Generator(device=device).manual_seed(42)
+    with pytest.raises(graphctl.ReplayError, match="object entry was replaced") as err:
+        run(x, m)
+    assert err.value.buffer == "state.generator" and "manual_seed" in err.value.fix
+    m.generator = old
+    m.scale = torch.full((4,), 3.0, device=device)
+    with pytest.raises(graphctl.ReplayError, match="declared buffer was rebound") as err:
+        run(x, m)
+    assert err.value.buffer == "state.scale"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_module_passed_as_the_forward_is_graphed_in_every_form(compiled, backend, device, gen):
+    # Regression: issue 52, an nn.Module or a compiled module passed as the forward was refused in every form (its
+    # signature read from the wrapper's (*args, **kwargs)), each error's fix pointing at the other.
+    torch._dynamo.reset()
+    net = _Net(gen).to(device)
+    fwd = torch.compile(net, backend="aot_eager", dynamic=False) if compiled else net
+    x = torch.randn(4, 4, generator=gen).to(device)
+    with torch.no_grad():
+        run = graphctl.graphed(fwd, buckets=[2, 4], backend=backend, progress=False)
+        run.capture_all(x)
+        torch.testing.assert_close(run(x[:3]).clone(), net(x[:3]))
+        assert run.report().function == "_Net.forward" and run.report().unreached == ()
+        with pytest.raises(TypeError, match=r"_Net.forward\(\): too many positional"):
+            run(x, x)
+        vr = graphctl.graphed(fwd, buckets=[2], backend=backend, progress=False, inputs=["x"])
+        vr.capture_all(x[:2])
+        net.layers[0].weight = torch.nn.Parameter(net.layers[0].weight.detach().clone())
+        with pytest.raises(graphctl.ReplayError, match="weight the graph reads was rebound") as err:
+            vr(x[:2])
+    assert err.value.buffer == "self.layers.0.weight", err.value.buffer
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("variants", [False, True])
+def test_a_freed_temporary_is_dangling_with_several_buckets_or_variants(variants, gen):
+    # Regression: issue 52, the emulated audit found a freed temporary only with one bucket: another bucket's recorded
+    # ops held the same tensor, so it looked live ("unregistered", whose fix params= would hide it).
+    holder = {"tmp": torch.randn(8, 4, generator=gen)}
+    w = torch.randn(4, 4, generator=gen)
+
+    def f(x, k):
+        return (x + holder["tmp"][: x.shape[0]]) @ w * k
+
+    run = graphctl.graphed(f, buckets=[4, 8], backend="emulated", progress=False, params={"w": w},
+                           variants={"k": (1, 3)} if variants else None)
+    run.capture_all(torch.randn(8, 4, generator=gen), 1)
+    assert all(not a.errors for a in run.audit().values())  # held by the caller: not dangling
+    del holder["tmp"]  # its block goes back: the graphs still read it
+    found = run.audit()
+    assert len(found) == (4 if variants else 2)
+    for key, a in found.items():
+        assert [(e.kind, e.severity) for e in a.findings] == [("dangling", "error")], (key, str(a))

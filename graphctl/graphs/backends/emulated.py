@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import gc
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -140,10 +141,14 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+_GRAPHS: weakref.WeakSet[EmulatedGraph] = weakref.WeakSet()  # every live recorded graph (memory_regions)
+
+
 class EmulatedGraph:
     """A recorded op list replayed onto its capture-time storages."""
 
     def __init__(self, ops: list[_Op | _Region]) -> None:
+        _GRAPHS.add(self)
         self._ops = ops
         self.regions = tuple(op.region for op in ops if isinstance(op, _Region))  # eager regions, in order
         seen: dict[int, int] = {}
@@ -217,6 +222,14 @@ class EmulatedGraph:
                 op.region.repointed(op.args, op.kwargs)
         return count
 
+    def _containers(self, into: set[int]) -> None:
+        """The ids of every container this graph's records hold (ops' arguments, its regions'
+        arguments, results and bookkeeping): graphctl's own references, never the caller's."""
+        for op in self._ops:
+            _leaves((op.args, op.kwargs), into)
+        for r in self.regions:
+            _leaves((r.args, r.kwargs, r.outputs, r.kinds, r.host), into)
+
     def dot(self, path: str) -> None:
         raise ReplayError("DOT export needs a CUDA graph", expected="backend 'cuda'", found="an emulated graph",
                           fix="capture on a GPU (backend='cuda'); emulated graphs have nodes() instead")
@@ -263,6 +276,9 @@ class EmulatedGraph:
                 st = t.untyped_storage()
                 pool[st.data_ptr()] = st.nbytes()
         containers: set[int] = set()
+        for g in _GRAPHS:  # every recorded graph's containers (another bucket's ops hold the same temporary)
+            if g is not self:
+                g._containers(containers)
         by_storage: dict[int, dict[int, torch.Tensor]] = {}
         for op in self._ops:
             for v in _leaves((op.args, op.kwargs), containers):
@@ -271,6 +287,7 @@ class EmulatedGraph:
                     group[id(v)] = v
                     if v._base is not None:
                         group[id(v._base)] = v._base
+        self._containers(containers)
         held = _held_outside(by_storage, containers)
         regions = [Region("graph pool", "pool", p, p + n) for p, n in pool.items()]
         for ptr, group in by_storage.items():
