@@ -159,8 +159,19 @@ class Capture:
         if self.frozen and (err := frozen_change(self.frozen, self.sig, args, kwargs)) is not None:
             return err
         if paths and self.paths:  # graphs/rebinding.py
-            return first_moved(self.paths, args, kwargs)
+            err = first_moved(self.paths, args, kwargs)
+            sw = self.state.active_switch if self.state is not None else None
+            if err is not None and sw is not None and (err.buffer or "").startswith("state."):
+                return self._inside(sw, err.buffer[len("state."):])  # the switch rebound it, nobody else
+            return err
         return None
+
+    @staticmethod
+    def _inside(sw: Any, name: str) -> ReplayError:
+        return ReplayError(f"a graphed call inside an active '{sw.role}' switch ({sw.phase})", buffer=name,
+                           expected="a call outside any switch of its state", found=f"'{name}' bound to its "
+                           f"{sw.role} twin", fix="call the graphed function outside the with-statement: its graph "
+                           "holds its own switches")
 
     # ------------------------------------------------------------------------ addresses
 
@@ -183,14 +194,16 @@ class Capture:
             if got != want:
                 sw = self.state.active_switch if self.state is not None else None
                 if sw is not None:  # the swap moved it, nobody else: say where the call is
-                    raise ReplayError(f"a graphed call inside an active '{sw.role}' switch ({sw.phase})",
-                                      buffer=name, expected="a call outside any switch of its state",
-                                      found=f"'{name}' bound to its {sw.role} twin", fix="call the graphed "
-                                      "function outside the with-statement: its graph holds its own switches")
-                raise ReplayError("static buffer moved since capture", buffer=name, expected=f"{want:#x}",
-                                  found="not a tensor" if got is None else f"{got:#x}",
-                                  fix="write into the buffer in place (state.write / copy_) instead of rebinding "
-                                      "it, or reset() and capture again")
+                    raise self._inside(sw, name)
+                if name.startswith("input:"):
+                    raise ReplayError("static buffer moved since capture", buffer=name, expected=f"{want:#x}",
+                                      found="not a tensor" if got is None else f"{got:#x}",
+                                      fix="write into the buffer in place (copy_) instead of rebinding it, or "
+                                          "reset() and capture again")
+                raise ReplayError("a declared buffer was rebound since the capture", buffer=f"state.{name}",
+                                  expected=f"{want:#x}", found="not a tensor" if got is None else f"{got:#x}",
+                                  fix="write into the buffer in place (state.write, copy_); after reallocating, bind "
+                                      "the object again and runner.repoint(state)")
         bucket.checked = True
 
     # ---------------------------------------------------------------------- what it knows

@@ -105,7 +105,7 @@ def capture_buckets(fn: Callable[..., Any], cap: Capture, opts: Options, argumen
                         name, b, st["uncompiled"])
     paths_of_sites = tuple(s.path for s in first.sites) + (("forward",) if compiled.is_compiled(p.fn) else ())
     counts = {"objects": last.objects, "tensors": len(last.tensors), "host_values": len(last.host),
-              "paths_checked": len(checks), "paths_unchecked": sum(unchecked.values()),
+              "paths_checked": sum(c.role != "module" for c in checks), "paths_unchecked": sum(unchecked.values()),
               "past_depth": last.cut["depth"], "past_bound": last.cut["nodes"]}
     cap.graphs, cap.workspaces, cap.host_changes, cap.paths = graphs, workspaces, tuple(found), checks
     cap.compile, cap.sites, cap.reach = stats, paths_of_sites, counts

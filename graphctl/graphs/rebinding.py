@@ -212,7 +212,9 @@ def collect(reach: Reach, used: set, owned: set, declared: Sequence[Entry] = ())
     checks, modules = [], {}
     for leaf in sorted(kept, key=lambda leaf: leaf.order):  # walk order: neighbours share a prefix
         at = _inside_modules(leaf.steps) if isinstance(leaf, TensorLeaf) else None
-        if at is not None:  # the module it enters, by identity (a plain object's attribute can be rebound unseen)
+        # the module it enters, by identity (a plain object's attribute can be rebound unseen); not a constant root
+        fixed = at == 0 and isinstance(leaf.root.source, tuple) and len(leaf.root.source) == 1
+        if at is not None and not fixed:
             key = (id(leaf.root.get), leaf.steps[:at])
             if key not in modules:
                 top = leaf.root.value

@@ -24,8 +24,10 @@ __all__ = ["recording", "paused", "is_recording", "capturing", "resolve_phase", 
 # the stack: a Ctrl-C that lands in the cleanup of ``recording()`` (before its reset ran) can then
 # never leave a stale "capture in progress" behind for every later switch to trip over.
 _RECORDING: contextvars.ContextVar[Any] = contextvars.ContextVar("graphctl_recording", default=None)
-# The bound states a running graphctl capture was given (None: no graphctl capture runs here)
-_GIVEN: contextvars.ContextVar[tuple[Any, ...] | None] = contextvars.ContextVar("graphctl_given", default=None)
+# (the frame that entered given(), the bound states the graphctl capture running there was given), or None;
+# like _RECORDING, true only while that frame is on the stack (an interrupt in its cleanup leaves nothing behind)
+_GIVEN: contextvars.ContextVar[tuple[Any, tuple[Any, ...]] | None] = contextvars.ContextVar("graphctl_given",
+                                                                                           default=None)
 
 
 @contextlib.contextmanager
@@ -49,16 +51,22 @@ def paused() -> Iterator[None]:
         _RECORDING.reset(token)
 
 
+def _on_stack(owner: FrameType) -> bool:
+    f: FrameType | None = sys._getframe(2)
+    while f is not None:
+        if f is owner:
+            return True
+        f = f.f_back
+    return False
+
+
 def is_recording() -> bool:
     """True inside :func:`recording` (the emulated recorder is running)."""
     owner = _RECORDING.get()
     if owner is None:
         return False
-    f: FrameType | None = sys._getframe(1)
-    while f is not None:
-        if f is owner:
-            return True
-        f = f.f_back
+    if _on_stack(owner):
+        return True
     _RECORDING.set(None)  # its with-block was left without the reset (an interrupt in the cleanup)
     return False
 
@@ -96,7 +104,7 @@ def capture_invalidated(device: torch.device) -> bool:
 def given(*states: Any) -> Iterator[None]:
     """A graphctl capture runs in the block and was given ``states`` (None entries ignored): a
     switch of any other bound state entered there in the ``capture`` phase is refused."""
-    token = _GIVEN.set(tuple(s for s in states if s is not None))
+    token = _GIVEN.set((sys._getframe(2), tuple(s for s in states if s is not None)))
     try:
         yield
     finally:
@@ -107,8 +115,11 @@ def check_given(state: Any) -> None:
     """Refuse a ``capture``-phase switch of ``state`` inside a graphctl capture that was not given
     it: the runner would neither refresh its draft twins around a replay nor check its buffers'
     addresses, so the graph would replay the capture's contents (on CUDA: draft outputs of zeros)."""
-    known = _GIVEN.get()
-    if known is None or any(s is state for s in known):
+    entry = _GIVEN.get()
+    if entry is None or not _on_stack(entry[0]):
+        return
+    known = entry[1]
+    if any(s is state for s in known):
         return
     raise CaptureError("a switch of a bound state the graphed forward was not given, entered during its capture",
                       buffer=type(state.obj).__qualname__,

@@ -509,7 +509,7 @@ def test_the_reference_engine_padded_lanes_write_no_kv_of_live_sequences(backend
         return torch.randint(0, eng.cfg.vocab, (n * k1,), generator=gen).to(device)
 
     step = graphctl.graphed(eng.step, buckets=[4], inputs=[StaticInput("input_ids", per_item=k1)], backend=backend,
-                            params=eng.named_tensors(), progress=False)
+                            params=eng.named_tensors(), progress=False, state=eng.state)
     step.capture_all(prepare(4), m)
     ids = prepare(3)  # 3 requests in bucket 4: request 3 is padding
     before = [t.clone() for t in caches]

@@ -56,14 +56,14 @@ PINNED_MESSAGE = ("[h] _Obj.h: host buffer is not pinned: expected pinned memory
                   "Fix: allocate with pin_memory=True so copies are asynchronous")
 
 
-def _repoint_engine(max_seqs: int, with_state: bool = True):
+def _repoint_engine(max_seqs: int):
     from graphctl.graphs import StaticInput
     from graphctl.models.mtp import EngineConfig, MTPEngine
 
     eng = MTPEngine(EngineConfig(max_seqs=max_seqs, layers=1), device="cpu")
     eng.meta.prepare(eng.state, torch.full((2,), 4, dtype=torch.int32), torch.full((2,), 9, dtype=torch.int32))
     f = graphed(eng.step, buckets=[2], inputs=[StaticInput("input_ids", per_item=4)], backend="emulated",
-                progress=False, state=eng.state if with_state else None)
+                progress=False, state=eng.state)
     f.capture_all(torch.arange(8) % eng.cfg.vocab, eng.meta)
     return eng, f
 
@@ -81,8 +81,10 @@ def _repoint_other_layout():
 
 
 def _repoint_without_state():
-    eng, f = _repoint_engine(4, with_state=False)
-    f.repoint(eng.state)
+    m, st = _mini()
+    f = graphed(lambda x: x * 2, buckets=[2], backend="emulated", progress=False)  # a forward with no state
+    f.capture_all(torch.ones(2, 3))
+    f.repoint(st)
 
 
 def _spec(*decls):
@@ -424,6 +426,62 @@ def _moved():
     r, m, x = _runner()
     m.kv_lens = m.kv_lens.clone()  # rebound, not written in place: the graph still reads the old one
     r(x, m)
+
+
+def _object_replaced():
+    class Meta:
+        def __init__(self) -> None:
+            self.generator = torch.Generator().manual_seed(1)
+
+    spec = StateSpec("errors_gen")
+    spec.object("generator")
+    reg = Registry()
+    reg.register(Meta, spec)
+    m = Meta()
+    st = bind(m, registry=reg)
+    f = graphed(lambda x, meta: x + torch.rand(x.shape, generator=meta.generator), buckets=[2], state=st,
+                inputs=["x"], backend="emulated", progress=False)
+    f.capture_all(torch.zeros(2, 3), m)
+    m.generator = torch.Generator().manual_seed(42)
+    f(torch.zeros(2, 3), m)
+
+
+def _lin_runner():
+    lin = torch.nn.Linear(3, 3)
+    f = graphed(lin, buckets=[2], backend="emulated", progress=False)
+    with torch.no_grad():
+        f.capture_all(torch.ones(2, 3))
+    return lin, f
+
+
+def _weight_rebound():
+    lin, f = _lin_runner()
+    lin.weight = torch.nn.Parameter(torch.zeros(3, 3))
+    with torch.no_grad():
+        f(torch.ones(2, 3))
+
+
+def _module_replaced():
+    class Holder:
+        def __init__(self) -> None:
+            self.lin = torch.nn.Linear(3, 3)
+
+    h = Holder()
+    f = graphed(lambda x: h.lin(x), buckets=[2], backend="emulated", progress=False)
+    with torch.no_grad():
+        f.capture_all(torch.ones(2, 3))
+        h.lin = torch.nn.Linear(3, 3)
+        f(torch.ones(2, 3))
+
+
+def _state_not_given():
+    m, st = _mini()
+
+    def fwd(x, meta):
+        with st.switch("draft"):
+            return x * 2
+
+    graphed(fwd, buckets=[2], inputs=["x"], backend="emulated", progress=False).capture_all(torch.ones(2, 3), m)
 
 
 def _write_refresh():
@@ -1249,7 +1307,16 @@ CASES: list[Case] = [
         "a dict passed as a frozen argument, changed in place",
         _frozen_changed,
     ),
-    Case("replay-moved", ReplayError, "replay", "a static buffer rebound after capture (manifest check)", _moved),
+    Case("replay-moved", ReplayError, "replay", "a declared buffer rebound after capture (the per-replay check of the "
+         "state's entries)", _moved),
+    Case("replay-object-replaced", ReplayError, "replay", "a declared object entry (a generator) replaced after "
+         "capture", _object_replaced),
+    Case("replay-weight-rebound", ReplayError, "replay", "a weight rebound after capture (lin.weight = Parameter(...) "
+         "or .data = ...)", _weight_rebound),
+    Case("replay-module-replaced", ReplayError, "replay", "a model held by a plain object replaced after capture",
+         _module_replaced),
+    Case("capture-state-not-given", CaptureError, "capture", "a forward switching a bound state the runner was not "
+         "given (state= left out)", _state_not_given),
     Case("replay-path-rebound", ReplayError, "replay", "a tensor reached through self rebound after capture",
          _path_rebound),
     Case("replay-stale-output", ReplayError, "replay", "an output read after the next call (GRAPHCTL_CHECK_OUTPUTS=1)",

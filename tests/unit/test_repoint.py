@@ -40,7 +40,7 @@ def test_every_declared_buffer_moved_repointed_replay_equals_eager_and_audit_cle
     assert len(moved) >= 10, moved
     eng.state = new_state  # the engine's own code (prepare, the forward's switch) uses the new state
     ids = _prepare(eng, 3, gen)
-    with pytest.raises(graphctl.ReplayError, match="moved since capture"):
+    with pytest.raises(graphctl.ReplayError, match="rebound since the capture"):
         step(ids, eng.meta)  # before re-pointing: the graph would read the old memory
     done = step.repoint(new_state)
     assert set(done) == {2, 4, 8} and all(v > 0 for v in done.values()), done
