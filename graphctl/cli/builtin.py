@@ -39,4 +39,5 @@ def step_target(eng: MTPEngine, ids: torch.Tensor, draft_len: int, draft_lens: t
                              name=name.format(f"k={draft_len}"))
     return CaptureTarget(forward=eng.step, example=(ids, eng.meta, draft_len), state=eng.state,
                          inputs=(StaticInput("input_ids", per_item_of=lambda k: k + 1),), params=eng.named_tensors(),
-                         variants={"k": tuple(draft_lens)}, name=name.format(f"k in {tuple(draft_lens)}"))
+                         variants={"k": tuple(draft_lens)}, name=name.format(f"k in {tuple(draft_lens)}"),
+                         prepare=eng.prepare_for)

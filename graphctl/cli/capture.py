@@ -309,7 +309,8 @@ def _run(con, args) -> int:
             pass
         runner = graphctl.graphed(target.forward, buckets=buckets, state=target.state, inputs=target.inputs,
                                   backend="cuda" if use_cuda else "emulated", fallback="eager",
-                                  params=target.params, progress=args.progress, variants=target.variants)
+                                  params=target.params, progress=args.progress, variants=target.variants,
+                                  prepare=target.prepare)
     with _stage("capture", 1):
         runner.capture_all(*target.example)
     # every (variant, runner): a plain runner is the one unlabelled unit (graphs/face.py)

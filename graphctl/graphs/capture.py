@@ -161,7 +161,7 @@ class Capture:
         if paths and self.paths:  # graphs/rebinding.py
             err = first_moved(self.paths, args, kwargs)
             sw = self.state.active_switch if self.state is not None else None
-            if err is not None and sw is not None and (err.buffer or "").startswith("state."):
+            if err is not None and sw is not None and err.buffer is not None and err.buffer.startswith("state."):
                 return self._inside(sw, err.buffer[len("state."):])  # the switch rebound it, nobody else
             return err
         return None

@@ -34,10 +34,8 @@ from graphctl.graphs.randomness import RandomUse, random_use
 from graphctl.graphs.reach import storage_key
 from graphctl.state.interrupts import drop_mode
 
-__all__ = ["Ledger", "PaddingHazard", "SideEffect", "Unreached", "WriteTracker", "storage_bytes", "storage_key",
-           "POLICIES"]
+__all__ = ["Ledger", "PaddingHazard", "SideEffect", "Unreached", "WriteTracker", "storage_bytes", "storage_key"]
 
-POLICIES = ("restore", "error", "ignore")
 
 
 @dataclasses.dataclass(frozen=True)

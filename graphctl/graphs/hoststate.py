@@ -20,9 +20,8 @@ from typing import Any
 from graphctl.errors import CaptureError
 from graphctl.graphs.reach import HostLeaf
 
-__all__ = ["HOST_POLICIES", "HostChange", "HostValues", "changes", "put_back", "refuse"]
+__all__ = ["HostChange", "HostValues", "changes", "put_back", "refuse"]
 
-HOST_POLICIES = ("warn", "restore", "error")
 
 
 @dataclasses.dataclass(frozen=True)

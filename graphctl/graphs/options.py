@@ -1,26 +1,48 @@
-"""A graphed forward's options, as one frozen record checked in one place.
+"""A graphed forward's options, declared once: one field each, its default, its check and its doc.
 
-Every option of :func:`graphctl.graphed` / :class:`GraphRunner` is a field of :class:`Options`;
-:meth:`Options.of` checks each one and raises a ``DeclarationError`` naming the option, what it
-takes and what was given. A decorated method's per-instance runner gets the same record with its
-instance's state (``dataclasses.replace``), never a copy kept in step by hand.
+Every option of :func:`graphctl.graphed` / :class:`GraphRunner` is a field of :class:`Options`
+whose metadata holds what it means (``doc``) and how a given value is checked and normalised
+(``take``: raises a ``DeclarationError`` naming the option, what it takes and what was given).
+:meth:`Options.of` applies them; the user guide's options table is :func:`table`. A decorated
+method's per-instance runner gets the same record with its instance's state
+(``dataclasses.replace``), never a copy kept in step by hand. The closed sets of modes are enums
+(:class:`Fallback`, :class:`SideEffects`, :class:`HostState`; a string naming a member is taken
+too, and members compare equal to their strings).
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from graphctl.errors import DeclarationError, did_you_mean
 from graphctl.graphs.backends import BACKENDS
-from graphctl.graphs.effects import POLICIES
-from graphctl.graphs.hoststate import HOST_POLICIES
 from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
 
-__all__ = ["Options", "FALLBACKS", "VariantValues", "SharedPool", "per_instance"]
+__all__ = ["Options", "Fallback", "SideEffects", "HostState", "FALLBACKS", "VariantValues", "SharedPool",
+           "per_instance", "variant_key", "table"]
 
-FALLBACKS = ("error", "eager")
+
+class Fallback(enum.StrEnum):
+    ERROR = "error"  # a batch no graph can serve raises ReplayError
+    EAGER = "eager"  # it runs the forward eagerly, logged and counted
+
+
+class SideEffects(enum.StrEnum):
+    RESTORE = "restore"  # undo what warmups and captures write to state graphctl does not own
+    ERROR = "error"  # refuse such a forward
+    IGNORE = "ignore"  # leave it
+
+
+class HostState(enum.StrEnum):
+    WARN = "warn"  # log and report host values the warmups changed
+    RESTORE = "restore"  # write them back after the capture
+    ERROR = "error"  # refuse such a forward
+
+
+FALLBACKS = tuple(Fallback)
 # a variant argument's values: (value, its own buckets or None), per argument name, in declared order
 VariantValues = tuple[tuple[str, tuple[tuple[Any, tuple[int, ...] | None], ...]], ...]
 _HOST = (int, str, bool, type(None))  # a variant value: one of these, or a small tuple of them
@@ -37,51 +59,124 @@ class SharedPool:
         self.handle: Any = None
 
 
+def _mode(kind: type[enum.StrEnum], what: str, fix: str) -> Callable[[str, Any], Any]:
+    def take(name: str, v: Any) -> Any:
+        try:
+            return kind(v)
+        except ValueError:
+            raise DeclarationError(f"unknown {what}", expected=" / ".join(repr(m.value) for m in kind),
+                                   found=repr(v), fix=fix) from None
+    return take
+
+
+def _backend(name: str, v: Any) -> str:
+    if v not in ("auto", *BACKENDS):
+        raise DeclarationError("unknown backend", expected=" / ".join(map(repr, ("auto", *BACKENDS))), found=repr(v),
+                               fix="backend='auto' picks cuda on a GPU, emulated elsewhere")
+    return str(v)
+
+
+def _int_at_least(low: int, expected: str, fix: str, optional: bool = False) -> Callable[[str, Any], Any]:
+    def take(name: str, v: Any) -> Any:
+        if optional and v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise DeclarationError(f"{name} takes an int" + (" or None" if optional else f" >= {low}"),
+                                   expected=expected, found=repr(v), fix=fix)
+        return v
+    return take
+
+
+def _bool_or_none(name: str, v: Any) -> bool | None:
+    if v is not None and not isinstance(v, bool):
+        raise DeclarationError(f"{name} takes a bool or None", expected="True, False or None (the knob)",
+                               found=repr(v), fix=f"pass {name}=False to skip the {name[6:-1]} check"
+                               if name.startswith("check_") else f"pass {name}=False to turn it off")
+    return v
+
+
+def _pad_axes(name: str, v: Any) -> dict[str, int] | None:
+    if v is None:
+        return None
+    if not isinstance(v, Mapping) or any(not isinstance(k, str) or isinstance(n, bool) or not isinstance(n, int)
+                                         or n < 1 for k, n in v.items()):
+        raise DeclarationError("pad_axes maps a state axis to rows per batch item",
+                               expected="e.g. {'seq': 1, 'token': 4}", found=repr(v),
+                               fix="name each axis (str) with a positive int")
+    return dict(v)
+
+
+def _callable_or_none(name: str, v: Any) -> Any:
+    if v is not None and not callable(v):
+        raise DeclarationError(f"{name} takes a callable or None", expected="a function (n, **variant values) -> None",
+                               found=type(v).__name__, fix=f"pass {name}=lambda n: meta.prepare(...)")
+    return v
+
+
+def _inputs(name: str, v: Any) -> tuple[StaticInput, ...] | None:
+    return None if v is None else tuple(StaticInput.of(i) for i in v)
+
+
+def _same(name: str, v: Any) -> Any:
+    return v
+
+
+def _opt(default: Any, take: Callable[[str, Any], Any], doc: str, **kw: Any) -> Any:
+    """One option: its default, how a given value is checked and normalised, what it means."""
+    return dataclasses.field(default=default, metadata={"take": take, "doc": doc}, **kw)
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """What a runner was asked for.
+    """What a runner was asked for: one field per option (its doc in the field's metadata,
+    :func:`table`). ``pool`` is set by a variant runner for its per-variant runners, not by users."""
 
-    ``buckets``: batch sizes to capture. ``state``: a ``BoundState``, an object to bind, or on a
-    decorated method the name of the instance attribute holding the metadata (each instance
-    gets its own runner). ``inputs``: argument names or ``StaticInput``; ``None``: every tensor
-    argument, batch on dim 0. ``backend``: ``auto``, ``cuda``, ``emulated``. ``fallback``:
-    ``"error"`` (a batch no graph can serve raises ``ReplayError``) or ``"eager"`` (it runs the
-    forward eagerly, logged and counted). ``pad_axes``: state axis -> rows per batch item for
-    ``state.pad`` (default ``{"seq": 1, "token": <first input's per_item>}``). ``warmup_iters``:
-    eager runs at the largest bucket before capture (one at each smaller bucket: the largest
-    bucket's runs did the process-wide first-call work; a compiled forward runs at least two a
-    bucket, ``graphs/passes.py``). ``progress``: a progress bar (``None``: when stderr is
-    a terminal). ``params``: the model tensors the forward reads, for the audit and the path
-    check (an ``nn.Module``, a name -> tensor mapping or an iterable). ``group``: a
-    ``torch.distributed`` process group; before each call the ranks agree on the bucket (the
-    largest batch over ranks) and on falling back together, and the replay's refresh switch is
-    entered on every rank or on none (``graphs/distributed.py``). ``side_effects`` and
-    ``max_side_effect_bytes``: what to do with writes to state graphctl does not own
-    (``graphs/effects.py``). ``host_state``: host values warmups change (``graphs/hoststate.py``).
-    ``copy_outputs``: fresh tensors per call instead of views (``graphs/stale.py``).
-    ``check_paths``: re-resolve before each replay the paths to tensors the forward reached
-    (``graphs/rebinding.py``; ``None``: as ``GRAPHCTL_CHECK_PATHS`` says at each call).
-    ``variants``: argument name -> the host values to capture a graph set for (a sequence, or a
-    mapping value -> its own buckets); several names form the product (``graphs/variants.py``).
-    ``pool``: set by a variant runner for its per-variant runners (one pool), not by users."""
-
-    buckets: Buckets
-    state: Any = None  # a BoundState, an object to bind, or (decorated method) an attribute name
-    inputs: tuple[StaticInput, ...] | None = None  # None: every tensor argument, batch on dim 0
-    backend: str = "auto"
-    fallback: str = "error"
-    pad_axes: Mapping[str, int] | None = None
-    warmup_iters: int = 2
-    progress: bool | None = None
-    params: Any = None
-    group: Any = None
-    side_effects: str = "restore"
-    max_side_effect_bytes: int | None = None
-    host_state: str = "warn"
-    copy_outputs: bool = False
-    check_paths: bool | None = None  # None: GRAPHCTL_CHECK_PATHS decides at each call
-    variants: VariantValues | None = None
-    pool: SharedPool | None = None
+    buckets: Buckets = _opt(None, lambda n, v: Buckets(v), "batch sizes to capture (default 1 to 256, powers of "
+                            "two)")
+    state: Any = _opt(None, _same, "a BoundState, an object to bind, or on a decorated method the name of the "
+                      "instance attribute holding the metadata (each instance gets its own runner)")
+    inputs: tuple[StaticInput, ...] | None = _opt(None, _inputs, "argument names or StaticInput; None: every tensor "
+                                                  "argument, batch on dim 0")
+    backend: str = _opt("auto", _backend, "auto, cuda or emulated")
+    fallback: Fallback = _opt(Fallback.ERROR, _mode(Fallback, "fallback", "fallback='eager' runs unservable batches "
+                                                    "eagerly (logged); 'error' raises"),
+                              "error: a batch no graph can serve raises ReplayError; eager: it runs eagerly, "
+                              "logged and counted")
+    pad_axes: Mapping[str, int] | None = _opt(None, _pad_axes, "state axis -> rows per batch item for state.pad "
+                                              "(default {'seq': 1, 'token': <first input's per_item>})")
+    warmup_iters: int = _opt(2, _int_at_least(0, "e.g. 2 (eager runs per bucket)", "pass warmup_iters=2"),
+                             "eager runs at the largest bucket before capture (one at each smaller bucket; a "
+                             "compiled forward at least two a bucket)")
+    progress: bool | None = _opt(None, _bool_or_none, "a progress bar (None: when stderr is a terminal)")
+    params: Any = _opt(None, _same, "the model tensors the forward reads, for the audit (an nn.Module, a name -> "
+                       "tensor mapping or an iterable)")
+    group: Any = _opt(None, _same, "a torch.distributed process group: the ranks agree on the bucket and on falling "
+                      "back together (graphs/distributed.py)")
+    side_effects: SideEffects = _opt(SideEffects.RESTORE, _mode(
+                                         SideEffects, "side_effects policy", "restore (default): undo what warmups "
+                                         "and captures write to state graphctl does not own; error: refuse such a "
+                                         "forward; ignore: leave it"),
+                                     "writes to state graphctl does not own: restore, error or ignore "
+                                     "(graphs/effects.py)")
+    max_side_effect_bytes: int | None = _opt(None, _int_at_least(0, "bytes, e.g. 2**30", "pass a byte count, or None "
+                                                                 "for no cap", optional=True),
+                                             "a cap on side-effect snapshots (None: no cap)")
+    host_state: HostState = _opt(HostState.WARN, _mode(HostState, "host_state policy", "warn (default): log and report "
+                                                       "host values the warmups changed; restore: write them back "
+                                                       "after capture; error: refuse such a forward"),
+                                 "host values the warmups change: warn, restore or error (graphs/hoststate.py)")
+    copy_outputs: bool = _opt(False, lambda n, v: bool(v), "fresh tensors per call instead of views "
+                              "(graphs/stale.py)")
+    check_paths: bool | None = _opt(None, _bool_or_none, "re-resolve before each replay what the forward reached "
+                                    "(graphs/rebinding.py; None: as GRAPHCTL_CHECK_PATHS says)")
+    variants: VariantValues | None = _opt(None, lambda n, v: None if v is None else _variants(v),
+                                          "argument name -> the host values to capture a graph set for (a sequence, "
+                                          "or value -> its own buckets); several names form the product")
+    prepare: Callable[..., None] | None = _opt(None, _callable_or_none,
+                                               "how the bound state describes a batch of n items (the engine's own "
+                                               "prepare), called prepare(n, **variant values) by verify before each "
+                                               "run; None: the state's padding policies past n")
+    pool: SharedPool | None = dataclasses.field(default=None, metadata={"internal": True})
 
     @staticmethod
     def named(where: str, given: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -92,52 +187,29 @@ class Options:
         return given
 
     @classmethod
-    def of(cls, *, buckets: Sequence[int] = DEFAULT_BUCKETS, state: Any = None,
-           inputs: Sequence[str | StaticInput] | None = None, backend: str = "auto", fallback: str = "error",
-           pad_axes: Mapping[str, int] | None = None, warmup_iters: int = 2, progress: bool | None = None,
-           params: Any = None, group: Any = None, side_effects: str = "restore",
-           max_side_effect_bytes: int | None = None, host_state: str = "warn", copy_outputs: bool = False,
-           check_paths: bool | None = None, variants: Mapping[str, Any] | None = None) -> Options:
-        """The record, every option checked (a ``DeclarationError`` naming the first bad one)."""
-        _one_of("fallback", fallback, FALLBACKS, "fallback='eager' runs unservable batches eagerly (logged); "
-                                                 "'error' raises")
-        _one_of("backend", backend, ("auto", *BACKENDS), "backend='auto' picks cuda on a GPU, emulated elsewhere")
-        _one_of("side_effects policy", side_effects, POLICIES,
-                "restore (default): undo what warmups and captures write to state graphctl does not own; "
-                "error: refuse such a forward; ignore: leave it")
-        _one_of("host_state policy", host_state, HOST_POLICIES,
-                "warn (default): log and report host values the warmups changed; restore: write them back after "
-                "capture; error: refuse such a forward")
-        if check_paths is not None and not isinstance(check_paths, bool):
-            raise DeclarationError("check_paths takes a bool or None", expected="True, False or None (the knob)",
-                                   found=repr(check_paths), fix="pass check_paths=False to skip the path check")
-        if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, int) or warmup_iters < 0:
-            raise DeclarationError("warmup_iters takes an int >= 0", expected="e.g. 2 (eager runs per bucket)",
-                                   found=repr(warmup_iters), fix="pass warmup_iters=2")
-        if max_side_effect_bytes is not None and (isinstance(max_side_effect_bytes, bool) or
-                                                  not isinstance(max_side_effect_bytes, int)):
-            raise DeclarationError("max_side_effect_bytes takes an int or None", expected="bytes, e.g. 2**30",
-                                   found=repr(max_side_effect_bytes), fix="pass a byte count, or None for no cap")
-        if pad_axes is not None and (not isinstance(pad_axes, Mapping) or
-                                     any(not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int)
-                                         or v < 1 for k, v in pad_axes.items())):
-            raise DeclarationError("pad_axes maps a state axis to rows per batch item",
-                                   expected="e.g. {'seq': 1, 'token': 4}", found=repr(pad_axes),
-                                   fix="name each axis (str) with a positive int")
-        ins = None if inputs is None else tuple(StaticInput.of(i) for i in inputs)
-        vs = None if variants is None else _variants(variants)
-        for si in ins or () if vs is None else ():
+    def of(cls, **given: Any) -> Options:
+        """The record, every option checked by its field's ``take`` (a ``DeclarationError`` naming
+        the first bad one); options not given keep their defaults."""
+        values = {f.name: f.metadata["take"](f.name, given[f.name]) for f in dataclasses.fields(cls)
+                  if f.name in given}
+        if "buckets" not in values:
+            values["buckets"] = Buckets(DEFAULT_BUCKETS)
+        for si in values.get("inputs") or () if values.get("variants") is None else ():
             if si.per_item_of is not None:
                 raise DeclarationError("per_item is a function but the runner has no variants", buffer=si.name,
                                        expected="an int, or variants= naming its arguments",
                                        found=repr(si.per_item_of), fix="pass per_item=k + 1, or variants={'k': (...)}")
-        return cls(Buckets(buckets), state, ins, backend, fallback, None if pad_axes is None else dict(pad_axes),
-                   warmup_iters, progress, params, group, side_effects, max_side_effect_bytes, host_state,
-                   bool(copy_outputs), check_paths, vs)
+        return cls(**values)
 
 
 def _names() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(Options) if f.name != "pool")
+    return tuple(f.name for f in dataclasses.fields(Options) if not f.metadata.get("internal"))
+
+
+def table() -> list[tuple[str, str, str]]:
+    """``(option, default, what it means)`` of every option, for the docs."""
+    return [(f.name, "Buckets(1..256)" if f.name == "buckets" else repr(f.default), f.metadata["doc"])
+            for f in dataclasses.fields(Options) if not f.metadata.get("internal")]
 
 
 def _host_value(v: Any) -> bool:
@@ -187,11 +259,6 @@ def variant_key(v: Any) -> Any:
     if isinstance(v, tuple):
         return tuple(variant_key(x) for x in v)
     return (type(v), v)
-
-
-def _one_of(what: str, value: Any, allowed: Sequence[str], fix: str) -> None:
-    if value not in allowed:
-        raise DeclarationError(f"unknown {what}", expected=" / ".join(map(repr, allowed)), found=repr(value), fix=fix)
 
 
 def per_instance(fn: Callable[..., Any], opts: Options, obj: Any, make: Callable[[Any, Options], Any]) -> Any:

@@ -65,15 +65,15 @@ def capture_buckets(fn: Callable[..., Any], cap: Capture, opts: Options, argumen
     start = reach.roots(fn, arguments, opts.params, cap.sig.get)
     # the forward itself is never a site nor entered (the runner calls it); a module passed as the forward is the
     # walk's "self" root, its parameters and buffers reached through it
-    skip = None if isinstance(fn, torch.nn.Module) and not compiled.is_compiled(fn) else fn
-    first = reach.walk(start, skip=skip)
+    me = None if isinstance(fn, torch.nn.Module) and not compiled.is_compiled(fn) else fn
+    first = reach.walk(start, skip=me)
     compiled.refuse_inductor_graphs(p.fn, first.sites)
     stats: dict[int, dict[str, int]] = {}
     stuck: list[str] = []
     try:
         graphs, workspaces = _passes(p, arguments, first, stats)
     finally:  # whatever happened, the host values are compared (and, by policy, put back)
-        last = reach.walk(start, skip=skip)
+        last = reach.walk(start, skip=me)
         found = hoststate.changes(first.host, last.host)
         if found and p.opts.host_state != "warn":
             stuck = hoststate.put_back(first.host, found)

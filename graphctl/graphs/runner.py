@@ -155,8 +155,13 @@ class GraphRunner(RunnerFace):
             raise
         return self
 
-    def pad_state(self, n: int) -> None:  # rows past n by policy, as a caller's prepare does
-        if self.state is not None:
+    def pad_state(self, n: int) -> None:
+        """The bound state describing a batch of ``n`` items: the ``prepare=`` option's (a variant
+        runner's units get it with their values bound), else every padding policy past ``n``."""
+        prepare = self.options.prepare
+        if prepare is not None:
+            prepare(n)
+        elif self.state is not None:
             self.state.pad({a: n * m for a, m in self._captured_or_raise("pad_state").pad_axes.items()})
 
     def guard_all(self) -> Snapshot:

@@ -26,6 +26,7 @@ class CaptureTarget:
     params: Any = None  # model tensors for the audit (nn.Module, mapping or iterable)
     name: str = ""
     variants: Mapping[str, Any] | None = None  # graphed(variants=...): a graph set per host-argument value
+    prepare: Callable[..., None] | None = None  # graphed(prepare=...): the state for a batch of n (and variant values)
 
     def __post_init__(self) -> None:
         # checked here, where the factory builds it: a wrong field found later is a traceback far from its cause

@@ -25,6 +25,7 @@ Constraints (each checked):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import itertools
 import logging
@@ -86,7 +87,9 @@ class VariantRunner(RunnerFace):
             named = dict(values)
             sub = dataclasses.replace(options, variants=None, pool=self._pool, buckets=Buckets(allowed),
                                       inputs=None if options.inputs is None else
-                                      tuple(si.resolved(named) for si in options.inputs))
+                                      tuple(si.resolved(named) for si in options.inputs),
+                                      prepare=None if options.prepare is None else
+                                      functools.partial(options.prepare, **named))
             v = Unit(values, GraphRunner(fn, sub))
             self._by_key[tuple(variant_key(x) for _, x in values)] = v
             order.append(v)

@@ -324,9 +324,10 @@ def graphed_step(eng: MTPEngine, mode: str = "unrolled", *, buckets: Sequence[in
         ins = [StaticInput("input_ids", per_item=eng.k + 1)]
         ins += [StaticInput("draft_probs", per_item=eng.k)] if sampling is not None else []
     variants = None if draft_lens is None else {"k": tuple(draft_lens)}
-    if mode == "unrolled":
+    if mode == "unrolled":  # with variants, verify lays the metadata out for each k (MTPEngine.prepare_for)
         return graphed(eng.step if sampling is None else eng.sample_step, buckets=list(buckets), state=eng.state,
-                       backend=backend, inputs=ins, progress=False, params=eng.named_tensors(), variants=variants)
+                       backend=backend, inputs=ins, progress=False, params=eng.named_tensors(), variants=variants,
+                       prepare=None if variants is None else eng.prepare_for)
     if mode == "per_step":
         return PerStepLoop(eng, buckets, backend, sampling)
     if eng.device.type != "cuda" or backend == "emulated":

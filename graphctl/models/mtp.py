@@ -149,6 +149,13 @@ class MTPEngine:
             x = x + y
         return torch.nn.functional.rms_norm(x, (x.shape[-1],)) @ self.lm_head
 
+    def prepare_for(self, n: int, k: int | None = None) -> None:
+        """The metadata for a step of ``n`` requests of ``k + 1`` tokens each (``k``: the engine's
+        draft length by default), their context lengths as they stand: how a runner's verify
+        describes a batch of ``n`` to a step of another ``k`` (``graphed(..., prepare=...)``)."""
+        k1 = self.draft_len(k) + 1
+        self.meta.prepare(self.state, torch.full((n,), k1, dtype=torch.int32), self.meta.kv_lens[:n].clone())
+
     def draft_len(self, k: int | None) -> int:
         """``k`` checked against the engine's buffers (``None``: the engine's own draft length).
         Any ``1 <= k <= draft_len`` fits them; a graphed step makes ``k`` a variant."""

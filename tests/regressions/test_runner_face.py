@@ -53,7 +53,7 @@ def test_a_variant_runner_has_every_operation_of_a_plain_one(gen):
     # argument raised a ReplayError about inspect._empty instead of Python's TypeError.
     eng = MTPEngine(EngineConfig(max_seqs=4, draft_len=3, seed=int(torch.randint(0, 999, (1,), generator=gen))))
     vr = graphctl.graphed(eng.step, buckets=[2, 4], state=eng.state, backend="emulated", progress=False,
-                          params=eng.named_tensors(), variants={"k": (1, 3)},
+                          params=eng.named_tensors(), variants={"k": (1, 3)}, prepare=eng.prepare_for,
                           inputs=[StaticInput("input_ids", per_item_of=lambda k: k + 1)])
 
     def prepare(n: int, k: int) -> torch.Tensor:
@@ -227,3 +227,19 @@ def test_a_freed_temporary_is_dangling_with_several_buckets_or_variants(variants
     assert len(found) == (4 if variants else 2)
     for key, a in found.items():
         assert [(e.kind, e.severity) for e in a.findings] == [("dangling", "error")], (key, str(a))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_verify_lays_the_state_out_for_each_variant(seed):
+    # Regression: issue 52, verify of a variant runner ran every variant on the example's metadata (laid out for the
+    # example's k): graphctl capture --draft-len 1 3 --verify failed for one seed in two on a correct graph (padded
+    # tokens of k=1 mapped to a live request). prepare= (MTPEngine.prepare_for) lays it out for each k.
+    from graphctl.models import graphed_step
+
+    gen = torch.Generator().manual_seed(seed)
+    eng = MTPEngine(EngineConfig(max_seqs=4, draft_len=3, seed=seed))
+    step = graphed_step(eng, buckets=(2, 4), draft_lens=(1, 3), backend="emulated")
+    eng.prepare_for(4)
+    step.capture_all(torch.randint(0, eng.cfg.vocab, (16,), generator=gen), eng.meta, 3)
+    bad = [str(r) for r in step.verify(gen=gen) if not r.ok]
+    assert bad == [], bad
