@@ -15,7 +15,7 @@ Each is timed as back-to-back calls (what a decode loop does) with one synchroni
 The target is (c)/(b) <= 1.3.
 
 Column ``held us``: the host time (c) spends on its default check that callers do not keep
-outputs past a replay (``graphs/stale.py``: the bucket's result with the check, minus the bare
+outputs past a replay (``graphs/replay/stale.py``: the bucket's result with the check, minus the bare
 output slice, timed on the host alone, median of ``--reps`` rounds); target <= 1 us.
 
 With ``--device cpu`` both (b) and (c) hold graphctl's emulated graphs, checked against eager
@@ -173,7 +173,7 @@ class Decoder(torch.nn.Module):
 
 def path_check_us(reps: int, calls: int = 2000) -> dict:
     """The per-replay path check of a graphed 16-layer decoder (module docstring), on the host."""
-    from graphctl.graphs.rebinding import first_moved
+    from graphctl.graphs.replay.rebinding import first_moved
 
     model = Decoder()
     with torch.no_grad():

@@ -41,8 +41,8 @@ import warnings
 import torch
 
 import graphctl
-from graphctl.graphs import reach
-from graphctl.graphs.effects import WriteTracker
+from graphctl.graphs.findings import reach
+from graphctl.graphs.findings.stream import WriteTracker
 
 
 def _model(layers: int):
@@ -115,7 +115,7 @@ def _hand_kernels(g) -> tuple[int, int]:
 def _path_check_cost(step, tok, repeats: int = 500) -> tuple[float, bool, str]:
     """(median µs of the per-replay path check on this call, whether its compiled fast form passes,
     the first path the fast form rejects and why): the cost (b) pays over (d), read directly."""
-    from graphctl.graphs.rebinding import first_moved
+    from graphctl.graphs.replay.rebinding import first_moved
 
     paths, args = step.capture.paths, (tok,)
     if not paths:

@@ -7,9 +7,9 @@ from graphctl.graphs.analysis.nodes import Node, Ref, Region
 from graphctl.graphs.analysis.report import SCHEMA, BucketReport, Report, Segment
 from graphctl.graphs.analysis.verify import Mismatch, VerifyResult
 from graphctl.graphs.backends import BACKENDS, GraphBackend, select_backend, unsupported_reasons
+from graphctl.graphs.capture.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
+from graphctl.graphs.capture.pieces import EagerRegion, eager
 from graphctl.graphs.decorator import graphed
-from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
-from graphctl.graphs.pieces import EagerRegion, eager
 from graphctl.graphs.runner import GraphRunner
 from graphctl.graphs.target import CaptureTarget
 from graphctl.graphs.variants import Variant, VariantRunner

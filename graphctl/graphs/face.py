@@ -20,14 +20,14 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from graphctl.errors import CaptureError, RepointError
-from graphctl.graphs import measure as _measure
 from graphctl.graphs.analysis.audit import Audit
 from graphctl.graphs.analysis.confirm import audit_runner
 from graphctl.graphs.analysis.report import Report
 from graphctl.graphs.analysis.verify import VerifyResult
 from graphctl.graphs.analysis.verify import verify as _verify
-from graphctl.graphs.calls import name_of
-from graphctl.graphs.repoint import plan_repoint
+from graphctl.graphs.capture.calls import name_of
+from graphctl.graphs.replay import measure as _measure
+from graphctl.graphs.replay.repoint import plan_repoint
 from graphctl.state.interrupts import deferred
 
 __all__ = ["Key", "Unit", "RunnerFace"]
@@ -128,14 +128,14 @@ class RunnerFace:
 
     def measure(self, iters: int = 20) -> Any:
         """Median µs of the graphed call and of the eager forward, per (variant, bucket), into the
-        report's rows (``graphs/measure.py``)."""
+        report's rows (``graphs/replay/measure.py``)."""
         for u in self.units():
             u.runner._captured_or_raise("measure()")
             _measure.measure(u.runner, iters)
         return self
 
     def repoint(self, state: Any) -> dict[Key, int]:
-        """Re-point every graph at ``state``, bound again after buffers moved (``graphs/repoint.py``):
+        """Re-point every graph at ``state``, bound again after buffers moved (``graphs/replay/repoint.py``):
         every unit checked before any is rewritten; per key, the nodes (CUDA) or recorded tensors
         (emulated) rewritten."""
         units = self.units()

@@ -19,7 +19,7 @@ from typing import Any
 
 from graphctl.errors import DeclarationError, did_you_mean
 from graphctl.graphs.backends import BACKENDS
-from graphctl.graphs.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
+from graphctl.graphs.capture.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
 
 __all__ = ["Options", "Fallback", "SideEffects", "HostState", "FALLBACKS", "VariantValues", "SharedPool",
            "per_instance", "variant_key", "table"]
@@ -151,24 +151,24 @@ class Options:
     params: Any = _opt(None, _same, "the model tensors the forward reads, for the audit (an nn.Module, a name -> "
                        "tensor mapping or an iterable)")
     group: Any = _opt(None, _same, "a torch.distributed process group: the ranks agree on the bucket and on falling "
-                      "back together (graphs/distributed.py)")
+                      "back together (graphs/replay/distributed.py)")
     side_effects: SideEffects = _opt(SideEffects.RESTORE, _mode(
                                          SideEffects, "side_effects policy", "restore (default): undo what warmups "
                                          "and captures write to state graphctl does not own; error: refuse such a "
                                          "forward; ignore: leave it"),
                                      "writes to state graphctl does not own: restore, error or ignore "
-                                     "(graphs/effects.py)")
+                                     "(graphs/findings/stream.py)")
     max_side_effect_bytes: int | None = _opt(None, _int_at_least(0, "bytes, e.g. 2**30", "pass a byte count, or None "
                                                                  "for no cap", optional=True),
                                              "a cap on side-effect snapshots (None: no cap)")
     host_state: HostState = _opt(HostState.WARN, _mode(HostState, "host_state policy", "warn (default): log and report "
                                                        "host values the warmups changed; restore: write them back "
                                                        "after capture; error: refuse such a forward"),
-                                 "host values the warmups change: warn, restore or error (graphs/hoststate.py)")
+                                 "host values the warmups change: warn, restore or error (findings/hoststate.py)")
     copy_outputs: bool = _opt(False, lambda n, v: bool(v), "fresh tensors per call instead of views "
-                              "(graphs/stale.py)")
+                              "(graphs/replay/stale.py)")
     check_paths: bool | None = _opt(None, _bool_or_none, "re-resolve before each replay what the forward reached "
-                                    "(graphs/rebinding.py; None: as GRAPHCTL_CHECK_PATHS says)")
+                                    "(graphs/replay/rebinding.py; None: as GRAPHCTL_CHECK_PATHS says)")
     variants: VariantValues | None = _opt(None, lambda n, v: None if v is None else _variants(v),
                                           "argument name -> the host values to capture a graph set for (a sequence, "
                                           "or value -> its own buckets); several names form the product")

@@ -39,16 +39,16 @@ from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs.analysis.nodes import Node, census
 from graphctl.graphs.analysis.report import Report, Segment
 from graphctl.graphs.backends.cuda import refuse_nested_capture
-from graphctl.graphs.bucket import BucketGraph
-from graphctl.graphs.calls import Signature, name_of, wraps
-from graphctl.graphs.capture import Capture
-from graphctl.graphs.distributed import Agreement, agreed_switch
-from graphctl.graphs.effects import SideEffect
+from graphctl.graphs.capture.bucket import BucketGraph
+from graphctl.graphs.capture.calls import Signature, name_of, wraps
+from graphctl.graphs.capture.inputs import StaticInput
+from graphctl.graphs.capture.passes import capture_buckets
+from graphctl.graphs.capture.record import Capture
 from graphctl.graphs.face import RunnerFace, Unit
-from graphctl.graphs.hoststate import HostChange
-from graphctl.graphs.inputs import StaticInput
+from graphctl.graphs.findings.hoststate import HostChange
+from graphctl.graphs.findings.stream import SideEffect
 from graphctl.graphs.options import Options, per_instance
-from graphctl.graphs.passes import capture_buckets
+from graphctl.graphs.replay.distributed import Agreement, agreed_switch
 from graphctl.knobs import knobs
 from graphctl.state import BoundState, bind
 from graphctl.state.snapshot import Snapshot
@@ -64,7 +64,7 @@ class GraphRunner(RunnerFace):
 
     Its options are one frozen :class:`~graphctl.graphs.options.Options` (``runner.options``,
     each option documented there). What ``capture_all`` produced is one
-    :class:`~graphctl.graphs.capture.Capture` (``runner.capture``; ``None`` until then, and
+    :class:`~graphctl.graphs.capture.record.Capture` (``runner.capture``; ``None`` until then, and
     again after ``reset()``). See the module docstring for the constraints."""
 
     def __init__(self, fn: Callable[..., Any], options: Options | None = None, /, **given: Any) -> None:
@@ -118,7 +118,7 @@ class GraphRunner(RunnerFace):
 
     @property
     def side_effects(self) -> tuple[SideEffect, ...]:
-        """What the forward writes that graphctl does not own (see ``graphs/effects.py``)."""
+        """What the forward writes that graphctl does not own (see ``graphs/findings/stream.py``)."""
         return self.capture.ledger.effects if self.capture is not None else ()
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from graphctl.errors import DeclarationError
-from graphctl.graphs.inputs import StaticInput
+from graphctl.graphs.capture.inputs import StaticInput
 
 __all__ = ["CaptureTarget"]
 

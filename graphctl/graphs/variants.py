@@ -35,10 +35,10 @@ from typing import Any
 import torch
 
 from graphctl.errors import CaptureError, DeclarationError, ReplayError
-from graphctl.graphs.bucket import gc_held
-from graphctl.graphs.calls import Signature, name_of, wraps
+from graphctl.graphs.capture.bucket import gc_held
+from graphctl.graphs.capture.calls import Signature, name_of, wraps
+from graphctl.graphs.capture.inputs import Buckets, StaticInput
 from graphctl.graphs.face import RunnerFace, Unit
-from graphctl.graphs.inputs import Buckets, StaticInput
 from graphctl.graphs.options import Options, SharedPool, per_instance, variant_key
 from graphctl.graphs.runner import GraphRunner
 

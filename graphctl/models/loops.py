@@ -9,7 +9,7 @@
   (``state.write("kv_lens", ...)``: the derived maps are recomputed eagerly each time, and the
   switch restores everything, on any exception too). What vLLM does.
 - ``device_loop``: one graph whose draft steps run as the body of a CUDA conditional WHILE node
-  (:class:`~graphctl.graphs.conditional.DeviceLoop`). A device-side predicate
+  (:class:`~graphctl.graphs.capture.conditional.DeviceLoop`). A device-side predicate
   (``graphctl.ops.loop_condition_``) stops the loop once every request's last draft token had a
   probability below ``threshold``, or after k steps; a per-request mask keeps finished requests
   from writing (their tokens, proposals and ``kv_lens`` stay as they were). Proposals past a
@@ -28,7 +28,7 @@ import torch
 from graphctl import ops
 from graphctl.errors import CaptureError, DeclarationError
 from graphctl.graphs import GraphRunner, StaticInput, graphed, select_backend
-from graphctl.graphs.conditional import DeviceLoop
+from graphctl.graphs.capture.conditional import DeviceLoop
 from graphctl.models.mtp import MTPEngine, StepOutput
 from graphctl.models.sampled import Sampling, accept_sampled, draft_noise
 from graphctl.ops.sampling import noise

@@ -144,7 +144,7 @@ def all_bound(obj: Any, pairs: tuple[tuple[str, Any], ...]) -> bool:
 
 def tensors_hold(refs: tuple, ptrs: tuple) -> bool:
     """Whether every weakly referenced tensor of ``refs`` is alive at its address in ``ptrs``, in
-    one C call (``graphctl.graphs.rebinding``'s weights); a Python loop without the extension."""
+    one C call (``graphctl.graphs.replay.rebinding``'s weights); a Python loop without the extension."""
     if _C is not None and uses_extension():
         return bool(_C.tensors_hold(refs, ptrs))
     for ref, ptr in zip(refs, ptrs):
@@ -155,7 +155,7 @@ def tensors_hold(refs: tuple, ptrs: tuple) -> bool:
 
 
 def paths_hold(program: tuple, args: tuple, kwargs: dict, walk: Any) -> bool:
-    """Whether every path of ``program`` (``graphctl.graphs.rebinding``) still leads to its
+    """Whether every path of ``program`` (``graphctl.graphs.replay.rebinding``) still leads to its
     capture's tensor, in one C call; ``walk(args, kwargs)`` (the same check in Python, its
     reference) without the extension."""
     if _C is not None and uses_extension():

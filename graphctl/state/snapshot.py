@@ -1,6 +1,6 @@
 """A snapshot of tensors a run may change, put back after it: the graph runner's guard around
 its warmup, capture, measure and verify runs (declared buffers, and the side effects of
-``graphctl/graphs/effects.py``). The copies are allocated once, at construction; taking and
+``graphctl/graphs/findings/stream.py``). The copies are allocated once, at construction; taking and
 restoring them go through :func:`graphctl.ops.copy_`, one fused call per device. Random state
 too: the state of each generator it guards (the declared ones and torch's defaults, through
 :meth:`Snapshot.of`) is saved with the tensors and put back with them, so a guarded run never

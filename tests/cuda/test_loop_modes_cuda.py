@@ -9,7 +9,7 @@ import torch
 
 import graphctl
 from graphctl import CaptureError
-from graphctl.graphs.conditional import DeviceLoop
+from graphctl.graphs.capture.conditional import DeviceLoop
 from graphctl.models import draft_confidences, dynamic_of, expected_dynamic, graphed_step
 from support.engine import acceptance, dynamic_setup, thresholds, trace
 

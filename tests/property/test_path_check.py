@@ -1,5 +1,5 @@
 """The per-replay path check in C (``graphctl._C.paths_hold``) against its Python reference (the
-straight-line walk of ``graphctl.graphs.rebinding``) and against the plain walk that names the
+straight-line walk of ``graphctl.graphs.replay.rebinding``) and against the plain walk that names the
 moved path: on random object trees (attributes, lists, dicts, a closure, a global, an argument)
 after a random rebinding, all three must agree."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 import graphctl
 from graphctl import ops
-from graphctl.graphs import reach
-from graphctl.graphs.effects import storage_key
-from graphctl.graphs.rebinding import collect, first_moved
+from graphctl.graphs.findings import reach
+from graphctl.graphs.findings.stream import storage_key
+from graphctl.graphs.replay.rebinding import collect, first_moved
 
 pytestmark = pytest.mark.skipif(not ops.uses_extension(), reason="graphctl._C is not loaded")
 

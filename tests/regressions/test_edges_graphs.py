@@ -289,7 +289,7 @@ def test_ctrl_c_on_any_line_of_the_gc_hold_leaves_collection_enabled():
     import inspect
     import sys
 
-    from graphctl.graphs import bucket as runner_mod
+    from graphctl.graphs.capture import bucket as runner_mod
 
     code = runner_mod.gc_held.__wrapped__.__code__
     src, first = inspect.getsourcelines(runner_mod.gc_held.__wrapped__)
@@ -341,7 +341,7 @@ def _modes_left() -> str:
     if _LooksLikeCapture._lock.locked():
         left.append("_LooksLikeCapture lock held")
         _LooksLikeCapture._lock.release()
-    from graphctl.graphs import pieces
+    from graphctl.graphs.capture import pieces
 
     if pieces.saved() != (None, None):  # issue 33: an eager-region handler left installed reaches every later call
         left.append("eager-region handler left installed")
@@ -359,7 +359,7 @@ def test_ctrl_c_at_any_line_of_a_capture_leaves_no_dispatch_mode_or_capture_flag
     # later op recorded or refused as "illegal under graph capture"), or inside `with self._lock` left the lock
     # taken (the next capture deadlocked) and the thread answering is_current_stream_capturing() True.
     from graphctl.graphs.backends.emulated import EmulatedBackend
-    from graphctl.graphs.effects import Ledger
+    from graphctl.graphs.findings.stream import Ledger
     from graphctl.testing.interrupts import call_interrupted
 
     if where == "backend":  # every line of graphctl the capture runs: the recorder, the look-alike, the phase
@@ -376,7 +376,7 @@ def test_ctrl_c_at_any_line_of_a_capture_leaves_no_dispatch_mode_or_capture_flag
             x = torch.randn(4, 3, generator=torch.Generator().manual_seed(6))
             return call_interrupted(lambda: r.capture_all(x, meta), at, (Ledger.track.__code__, capture_file))
     else:  # issue 28: a capture recording a compiled call (its site rerouted, dynamo's stance forced) at every line
-        from graphctl.graphs import reach
+        from graphctl.graphs.findings import reach
 
         be, x = EmulatedBackend(torch.device("cpu")), torch.randn(4, generator=gen)
         cf = torch.compile(lambda t: t * 2 + 1, backend="eager")

@@ -52,7 +52,7 @@ def test_a_rebind_past_the_path_cap_or_deep_is_named_not_replayed_stale(backend,
 def test_a_path_cap_that_bites_is_reported_with_its_count_and_drops_module_buffers_first(backend, device,
                                                                                           monkeypatch, caplog):
     # Issue 31: the path cap dropped paths by length and said nothing; now it drops by role and says how many.
-    from graphctl.graphs import rebinding
+    from graphctl.graphs.replay import rebinding
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
@@ -140,7 +140,7 @@ def test_a_compiled_warmup_writing_what_the_tracked_run_did_not_is_reported_unre
 
 def test_a_capture_walks_the_objects_twice(backend, device, monkeypatch):
     # Issue 31: one capture_all of 9 buckets walked the forward's objects 13 times with four walkers.
-    from graphctl.graphs import reach
+    from graphctl.graphs.findings import reach
 
     calls = []
     real = reach.walk
@@ -155,7 +155,7 @@ def test_a_capture_walks_the_objects_twice(backend, device, monkeypatch):
 def test_the_full_tracker_runs_once_per_forward_unless_buckets_hold_padding(backend, device, monkeypatch):
     # Issue 32: every bucket's first warmup ran under the full tracker (reads, taint: ~8x an eager step on an HF
     # model); only buckets with padded rows can differ there, the rest need its writes only.
-    from graphctl.graphs import effects
+    from graphctl.graphs.findings import stream as effects
 
     full = []
     real = effects.WriteTracker.__init__

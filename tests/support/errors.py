@@ -372,7 +372,7 @@ def _loop_on_cpu():
 
 
 def _loop_recorded():
-    from graphctl.graphs.conditional import DeviceLoop
+    from graphctl.graphs.capture.conditional import DeviceLoop
 
     loop = DeviceLoop(torch.device("cpu"))
     flag = torch.zeros(1, dtype=torch.int32)
@@ -386,7 +386,7 @@ def _agreed_switch_fails():
 
     import torch.distributed as dist
 
-    from graphctl.graphs.distributed import Agreement, agreed_switch
+    from graphctl.graphs.replay.distributed import Agreement, agreed_switch
 
     with tempfile.TemporaryDirectory() as d:
         dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)

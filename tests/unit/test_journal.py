@@ -1,4 +1,4 @@
-"""Warmups undone on declared lasting state by the rows they wrote (``graphctl/graphs/journal.py``,
+"""Warmups undone on declared lasting state by the rows they wrote (``graphctl/graphs/findings/journal.py``,
 issue 32: ``capture_all`` copied both whole KV caches first, 2 GiB at llama-1b's 64 x 512 tokens,
 where a hand capture copies nothing)."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphctl.graphs.effects import WriteTracker
-from graphctl.graphs.reach import storage_key
+from graphctl.graphs.findings.reach import storage_key
+from graphctl.graphs.findings.stream import WriteTracker
 
 
 def _tracked(pool: torch.Tensor, body) -> WriteTracker:
@@ -63,7 +63,7 @@ def test_past_half_the_storage_a_journal_keeps_the_whole_storage_once(gen):
 
 
 def test_a_run_that_raises_partway_is_undone_by_rows(gen):
-    from graphctl.graphs.effects import Ledger
+    from graphctl.graphs.findings.stream import Ledger
 
     pool = torch.randn(16, 8, 4, generator=gen)
     before = pool.clone()
@@ -139,7 +139,7 @@ def test_op_tensors_finds_what_pytree_finds_in_op_arguments(gen):
     # tracked run's host time; its replacement must find the same tensors, in order, in every argument shape.
     from torch.utils._pytree import tree_flatten
 
-    from graphctl.graphs.journal import op_tensors
+    from graphctl.graphs.findings.journal import op_tensors
 
     a, b, c, d = (torch.randn(3, generator=gen) for _ in range(4))
     cases = [
@@ -162,7 +162,7 @@ def test_fresh_results_are_the_unaliased_leaves_at_their_pytree_positions(gen):
     # pytree position, so the one rule must name the leaves, and count them, as tree_flatten does.
     from torch.utils._pytree import tree_flatten
 
-    from graphctl.graphs.journal import fresh_results
+    from graphctl.graphs.findings.journal import fresh_results
 
     aten = torch.ops.aten
     x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen)

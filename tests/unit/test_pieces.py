@@ -218,7 +218,7 @@ def test_eager_outside_a_capture_is_a_plain_call():
         return a * b
 
     assert f(3) == 6 and f(3, b=4) == 12 and f.__doc__ == "doc" and f.__name__ == "f"
-    from graphctl.graphs.pieces import is_eager
+    from graphctl.graphs.capture.pieces import is_eager
 
     assert is_eager(f) and not is_eager(lambda: 0)
 
@@ -235,7 +235,7 @@ def test_an_interrupt_inside_a_region_at_capture_drops_every_piece(backend, gen,
     def fwd(x):
         return region(x * 2) * 3
 
-    import graphctl.graphs.pieces as pieces
+    import graphctl.graphs.capture.pieces as pieces
 
     def interrupted(fn, args, kwargs, *more):
         raise KeyboardInterrupt

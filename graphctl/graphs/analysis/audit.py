@@ -68,7 +68,7 @@ __all__ = ["Finding", "Audit", "AddressMap", "audit_graph", "param_tensors"]
 
 # Lookup order: the most specific name wins where regions overlap (an output lives in the pool).
 # A freed block outranks a warmup allocation (the allocator's word on liveness is the latest).
-# "boundary": an eager region's static outputs (graphs/pieces.py), read by the piece after it.
+# "boundary": an eager region's static outputs (graphs/capture/pieces.py), read by the piece after it.
 _PRIORITY = {"buffer": 0, "arena": 0, "input": 0, "output": 1, "argument": 1, "param": 1, "boundary": 1, "pool": 2,
              "freed": 3, "workspace": 4, "live": 5}
 

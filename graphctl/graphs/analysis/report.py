@@ -68,7 +68,7 @@ class BucketReport:
     eager_runs: int = 0
     warmup_ms: float = 0.0  # the bucket's eager warmups, tracked ones included, device work waited for
     variant: str = ""  # a variant runner's row: its variant values ("k=3"); "" for a plain runner
-    # eager regions between the graph's pieces (graphs/pieces.py), in order: name, calls, mean_us (host wall
+    # eager regions between the graph's pieces (graphs/capture/pieces.py), in order: name, calls, mean_us (host wall
     # time of a call at replay, copies included; None before any), capture_us; () for a whole graph
     eager_regions: tuple[dict[str, Any], ...] = ()
 
@@ -85,28 +85,28 @@ class Report:
     torch: str
     buckets: tuple[BucketReport, ...]
     fallbacks: dict[str, int]
-    # what the forward writes that graphctl does not own (graphs/effects.py): path, op, where,
+    # what the forward writes that graphctl does not own (graphs/findings/stream.py): path, op, where,
     # bytes, and the policy applied (restore, error, ignore)
     side_effects: tuple[dict[str, Any], ...] = ()
     eager_streak: int = 0  # calls since the last replay, all eager
     bypassed: bool = False  # eager_streak reached the bypass window: the graphs serve nothing
-    # host values capture_all's warmups and capture changed (graphs/hoststate.py): path, before, after, policy
+    # host values capture_all's warmups and capture changed (graphs/findings/hoststate.py): path, before, after, policy
     host_changes: tuple[dict[str, Any], ...] = ()
-    # padded rows of a static input indexing a write into state that outlives the call (graphs/effects.py):
+    # padded rows of a static input indexing a write into state that outlives the call (graphs/findings/stream.py):
     # input, op, where, target
     padding_hazards: tuple[dict[str, Any], ...] = ()
-    # tensors the forward read that existed before it ran and no checked path reaches (graphs/effects.py):
+    # tensors the forward read that existed before it ran and no checked path reaches (graphs/findings/stream.py):
     # shape, dtype, device, op, where
     unreached: tuple[dict[str, Any], ...] = ()
-    # torch.compile (graphs/compiled.py): the compiled callables the forward reaches, by path, and per
+    # torch.compile (graphs/capture/compiled.py): the compiled callables the forward reaches, by path, and per
     # bucket dynamo's work: warmup_frames / warmup_graphs (recompiles), breaks, uncompiled (frames
     # dynamo was asked to convert during the capture: they ran uncompiled)
     compiled: tuple[str, ...] = ()
     compile: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
-    # what the capture's walk of the forward's objects saw and left out (graphs/reach.py): objects,
+    # what the capture's walk of the forward's objects saw and left out (graphs/findings/reach.py): objects,
     # tensors, host_values, paths_checked, paths_unchecked (past the cap), past_depth, past_bound
     reach: dict[str, int] = dataclasses.field(default_factory=dict)
-    # draws from a default or an undeclared generator (graphs/randomness.py): generator, op, where
+    # draws from a default or an undeclared generator (graphs/findings/randomness.py): generator, op, where
     random_state: tuple[dict[str, Any], ...] = ()
 
     @classmethod

@@ -24,7 +24,7 @@ __all__ = ["BackendDecl", "BACKENDS", "CapturedGraph", "GraphBackend", "select_b
 class CapturedGraph(Protocol):
     """One captured bucket, as a backend hands it back."""
 
-    regions: tuple[Any, ...]  # eager regions between its pieces (graphs/pieces.py); () for a whole graph
+    regions: tuple[Any, ...]  # eager regions between its pieces (graphs/capture/pieces.py); () for a whole graph
 
     @property
     def node_count(self) -> int: ...
@@ -34,7 +34,7 @@ class CapturedGraph(Protocol):
     def dot(self, path: str) -> None: ...  # Graphviz DOT (CUDA); the emulated graph says it has none
     def nodes(self) -> list[Node]: ...  # capture order, bodies nested (graphs/analysis/nodes.py)
     def memory_regions(self) -> list[Region]: ...  # pools and allocator blocks, for the audit
-    def repoint(self, moves: list[Any]) -> Callable[[], int]: ...  # checks now; the call rewrites (graphs/repoint.py)
+    def repoint(self, moves: list[Any]) -> Callable[[], int]: ...  # checks now; the call rewrites (replay/repoint.py)
 
 
 class GraphBackend(Protocol):

@@ -26,7 +26,6 @@ import torch
 
 from graphctl import bindings
 from graphctl.errors import CaptureError, RepointError
-from graphctl.graphs import pieces
 from graphctl.graphs.backends.cuda_nodes import (
     allocator_regions,
     apply_patches,
@@ -37,8 +36,9 @@ from graphctl.graphs.backends.cuda_nodes import (
     read_cuda_nodes,
 )
 from graphctl.graphs.backends.hooks import ReplayHooks
-from graphctl.graphs.randomness import same_generator
-from graphctl.graphs.repoint import lookup
+from graphctl.graphs.capture import pieces
+from graphctl.graphs.findings.randomness import same_generator
+from graphctl.graphs.replay.repoint import lookup
 from graphctl.state.interrupts import deferred
 from graphctl.state.phase import capture_invalidated
 
@@ -138,7 +138,7 @@ class CudaGraph:
         return buf.raw
 
     def repoint(self, moves: list) -> Callable[[], int]:
-        """Check now that every address inside a moved span (``graphs/repoint.py``) sits where it
+        """Check now that every address inside a moved span (``graphs/replay/repoint.py``) sits where it
         can be rewritten: a kernel argument, a memcpy or memset address (``RepointError``
         otherwise, nothing changed); the returned call rewrites them in the instantiated graph
         and its template and says how many nodes."""
@@ -162,7 +162,7 @@ class CudaGraph:
 
 
 class PiecewiseGraph:
-    """Pieces of one capture with an eager region between each two (``graphs/pieces.py``):
+    """Pieces of one capture with an eager region between each two (``graphs/capture/pieces.py``):
     replayed piece, region, piece, ... on the current stream. Nodes are the pieces' nodes in
     order (segments and the audit see one sequence); the pool is the pieces' shared one."""
 
@@ -239,7 +239,7 @@ class CudaBackend:
     ``synchronize()``. Graphs have ``replay()``, ``node_count`` and ``pool_bytes``."""
 
     name = "cuda"
-    capture_executes = False  # a capture only records (eager regions aside: graphs/pieces.py)
+    capture_executes = False  # a capture only records (eager regions aside: graphs/capture/pieces.py)
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
@@ -277,7 +277,7 @@ class CudaBackend:
                 generators: Sequence[torch.Generator] = ()) -> tuple[CudaGraph | PiecewiseGraph, Any]:
         """Capture ``body(mark)``; every ``@graphctl.eager`` call inside ends the piece captured so
         far, replays it (the region sees real data), runs the region and begins the next piece in
-        the same pool (``graphs/pieces.py``): a :class:`PiecewiseGraph` when there was one. Each
+        the same pool (``graphs/capture/pieces.py``): a :class:`PiecewiseGraph` when there was one. Each
         CUDA generator of ``generators`` is registered with every piece (torch registers the default
         one itself): a replay draws on from the generator's state at that time."""
         cuda_gens = [g for g in generators if g.device.type == "cuda" and not same_generator(

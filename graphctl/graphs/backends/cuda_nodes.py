@@ -266,7 +266,7 @@ def _copy_patch(drv, node, kind: str, lookup: Callable[[int], int | None]) -> tu
 
 
 def kernel_patches(order: Sequence[int], lookup: Callable[[int], int | None]) -> tuple[list[tuple[Any, ...]], str]:
-    """For re-pointing (``graphs/repoint.py``): the nodes of ``order`` holding an address
+    """For re-pointing (``graphs/replay/repoint.py``): the nodes of ``order`` holding an address
     ``lookup`` maps, each as ``(kind, node, new parameters, buffers to keep alive)`` (kernel
     arguments, memcpy and memset device addresses rewritten); or ``([], why)`` naming the first
     address that cannot be rewritten safely (a library kernel's opaque ``extra`` buffer, a

@@ -20,7 +20,7 @@ they are device-to-host copies and are refused (so is every host read under a CU
 graphctl's own ops are recorded as single ops.
 
 Compiled code (``torch.compile``) is captured as the code it compiles: the capture runs under the
-``force_eager`` stance (``graphs/compiled.py``), so every op of a compiled callable is recorded and
+``force_eager`` stance (``graphs/capture/compiled.py``), so every op of a compiled callable is recorded and
 checked like any other, a host sync inside it is refused at its line, and the host values it reads
 are baked into the recorded ops as a CUDA graph bakes them into its kernels. (The warmups ran the
 compiled artifact; a CUDA capture records its kernels.) An ``@graphctl.eager`` region inside a
@@ -28,7 +28,7 @@ compiled callable splits it as it splits any forward.
 
 A replay stopped by a raising op (or a region) tells the runner's hooks where it stopped, while
 interrupts are still held: a switch recorded open there is restored or the state poisoned
-(``graphs/bucket.py``). Regions run as user code: a second Ctrl-C reaches one that hangs.
+(``graphs/capture/bucket.py``). Regions run as user code: a second Ctrl-C reaches one that hangs.
 """
 from __future__ import annotations
 
@@ -43,13 +43,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporaril
 from torch.utils._pytree import tree_flatten
 
 from graphctl.errors import CaptureError, ReplayError
-from graphctl.graphs import compiled as _compiled
-from graphctl.graphs import pieces
 from graphctl.graphs.analysis.nodes import Node, Ref, Region
 from graphctl.graphs.backends.hooks import ReplayHooks
 from graphctl.graphs.backends.looks import LooksLikeCapture as _LooksLikeCapture
-from graphctl.graphs.frames import GRAPHCTL_DIR, user_frame
-from graphctl.graphs.journal import fresh_results, op_tensors
+from graphctl.graphs.capture import compiled as _compiled
+from graphctl.graphs.capture import pieces
+from graphctl.graphs.findings.frames import GRAPHCTL_DIR, user_frame
+from graphctl.graphs.findings.journal import fresh_results, op_tensors
 from graphctl.state.interrupts import deferred, drop_mode
 from graphctl.state.phase import paused, recording
 
@@ -93,7 +93,7 @@ class _Op:
 
 
 class _Region:
-    """An eager region (``graphs/pieces.py``) between two recorded pieces: replayed by calling it."""
+    """An eager region (``graphs/capture/pieces.py``) between two recorded pieces: replayed by calling it."""
 
     __slots__ = ("func", "args", "kwargs", "fresh", "waits", "name", "region")
 
@@ -194,7 +194,7 @@ class EmulatedGraph:
                 raise
 
     def repoint(self, moves: list) -> Callable[[], int]:
-        """The call that swaps every recorded tensor inside a moved span (``graphs/repoint.py``)
+        """The call that swaps every recorded tensor inside a moved span (``graphs/replay/repoint.py``)
         for the same view of the new storage and says how many; nothing here can refuse."""
         return lambda: self._repoint(moves)
 

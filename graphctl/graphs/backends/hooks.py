@@ -1,4 +1,4 @@
-"""What a graph's replay tells the runner while it runs (``graphs/bucket.py`` implements it).
+"""What a graph's replay tells the runner while it runs (``graphs/capture/bucket.py`` implements it).
 
 Both backends call the same two hooks. ``region(r)`` is entered around every eager region's call
 (the runner closes its refresh switch around a region that uses the state). ``failed(at, inside,

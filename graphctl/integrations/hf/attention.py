@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from graphctl.families.paged import KVCacheManager, PagedMetadata
-from graphctl.graphs.pieces import eager
+from graphctl.graphs.capture.pieces import eager
 from graphctl.ops import attention as ops  # registers torch.ops.graphctl.paged_attention
 
 __all__ = ["ATTENTION", "PagedBatch", "paged_attention", "register"]
@@ -104,7 +104,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
     return torch.ops.graphctl.paged_attention(q, k, v, table, req, positions, scale)
 
 
-# the same call as a region between captured pieces (graphs/pieces.py); every tensor it reads is an
+# the same call as a region between captured pieces (graphs/capture/pieces.py); every tensor it reads is an
 # argument (the draft's manager and tables under a draft switch), so it may sit inside one
 _attend_eager = eager(in_switch=True)(_attend)
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from graphctl.families.paged import KVCacheManager, PagedMetadata, paged_spec
-from graphctl.graphs.compiled import is_compiled
+from graphctl.graphs.capture.compiled import is_compiled
 from graphctl.integrations.hf.attention import ATTENTION, PagedBatch, register
 from graphctl.models.mtp import EngineConfig, MTPEngine
 from graphctl.models.sampled import Sampling, attach_generators, with_generators
@@ -191,7 +191,7 @@ class HFEngine(MTPEngine):
         """:meth:`prefill_step` graphed at token buckets (default powers of two from 16 up to the
         metadata's ``max_tokens``, and it), for ``prefill(prompts, forward=...)`` and
         ``generate(..., prefill=...)``. ``piecewise``: every layer's attention is an eager region
-        between captured pieces (``graphs/pieces.py``; a compiled model is compiled as the pieces
+        between captured pieces (``graphs/capture/pieces.py``; a compiled model is compiled as the pieces
         between its attention calls, each captured as a graph); by default attention is in the
         graph (the paged attention op reads lengths from the device buffers)."""
         from graphctl.graphs import StaticInput, graphed

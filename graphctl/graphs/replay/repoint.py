@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from graphctl.errors import RepointError
-from graphctl.graphs.rebinding import with_entries
+from graphctl.graphs.replay.rebinding import with_entries
 from graphctl.state.validate import byte_range
 
 __all__ = ["Move", "entries", "lookup", "moves_between", "plan_repoint"]

@@ -3,9 +3,9 @@
 A graph bakes the branches its capture run took on host values: a Python flag such as a
 sampler's ``probs_valid`` that the warmup with dummy requests flips to True makes the captured
 graph read per-slot data the first real request never wrote (TensorRT-LLM #15775). Tensors are
-the side-effect tracker's (``graphs/effects.py``); this module compares the plain host values
+the side-effect watcher's (``findings/side_effects.py``); this module compares the plain host values
 (``bool``, ``int``, ``float``, ``str``, ``None``, and small tuples of these) of the objects the
-forward reaches (``graphs/reach.py``), walked before the first warmup and after the last capture.
+forward reaches (``graphs/findings/reach.py``), walked before the first warmup and after the last capture.
 
 Policies (``host_state=`` on the runner): ``"warn"`` (default: one log line per change, and
 ``report()``/``graphctl capture`` list them), ``"restore"`` (each changed value is written back
@@ -15,28 +15,34 @@ where it was found, so the first real call sees what the caller left), ``"error"
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from graphctl.errors import CaptureError
-from graphctl.graphs.reach import HostLeaf
+from graphctl.graphs.findings.reach import HostLeaf
+from graphctl.graphs.findings.record import Finding
 
 __all__ = ["HostChange", "HostValues", "changes", "put_back", "refuse"]
 
 
 
 @dataclasses.dataclass(frozen=True)
-class HostChange:
+class HostChange(Finding):
     """One plain host value that differs after the warmups and capture."""
 
+    kind: ClassVar[str] = "host_changes"
     path: str  # where the forward reaches it, e.g. "sampler.probs_valid"
     before: Any
     after: Any
+    policy: str = ""  # the runner's host_state= (set in reports)
 
     def __str__(self) -> str:
         return f"{self.path} {self.before!r} -> {self.after!r}"
 
+    def line(self) -> str:
+        return f"host state changed by warmup/capture ({self.policy}): {self.path} {self.before!r} -> {self.after!r}"
 
-HostValues = dict[str, HostLeaf]  # path -> where the value sits and what it was (graphs/reach.py)
+
+HostValues = dict[str, HostLeaf]  # path -> where the value sits and what it was (graphs/findings/reach.py)
 
 
 def changes(before: HostValues, after: HostValues) -> list[HostChange]:

@@ -30,7 +30,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from graphctl.errors import OutputsHeldWarning, ReplayError
-from graphctl.graphs.frames import user_frame
+from graphctl.graphs.findings.frames import user_frame
 
 __all__ = ["Held", "Watched", "refs", "watch"]
 

@@ -13,7 +13,7 @@ import torch
 __all__ = ["GRAPHCTL_DIR", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-GRAPHCTL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../graphctl
+GRAPHCTL_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../graphctl
 # graphctl's machinery; its reference engine (graphctl/models) is model code like a user's
 _INTERNAL_DIRS = tuple(os.path.join(GRAPHCTL_DIR, d) + os.sep for d in ("graphs", "state", "ops", "cli", "testing"))
 

@@ -20,8 +20,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from graphctl.graphs.analysis.report import Segment
-from graphctl.graphs.frames import user_frame
-from graphctl.graphs.stale import Held, refs, watch
+from graphctl.graphs.findings.frames import user_frame
+from graphctl.graphs.replay.stale import Held, refs, watch
 
 __all__ = ["BucketGraph", "Span", "gc_held", "segments_from_marks", "spans_from_marks", "settle_slicing"]
 
@@ -100,7 +100,7 @@ class BucketGraph:
         self.replay_us: float | None = None
         self.eager_us: float | None = None
         self._sliced: dict[int, Any] = {}
-        self._held: Held | None = None  # built at the first default-path call (graphs/stale.py)
+        self._held: Held | None = None  # built at the first default-path call (graphs/replay/stale.py)
         self._sets: dict[tuple[int, int], tuple] = {}  # (n, parity) -> (objects returned, their refcounts)
         self._calls = 0
 
@@ -141,7 +141,7 @@ class BucketGraph:
     def result(self, n: int, copy: bool, check: bool) -> Any:
         """What a call returns: the outputs sliced to ``n`` (views of the static outputs), fresh
         copies (``copy_outputs=True``), or views that raise when read after this bucket replayed
-        again (``GRAPHCTL_CHECK_OUTPUTS``, see ``graphs/stale.py``)."""
+        again (``GRAPHCTL_CHECK_OUTPUTS``, see ``graphs/replay/stale.py``)."""
         if copy:
             return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.outputs(n))
         if check:

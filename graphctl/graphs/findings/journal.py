@@ -5,7 +5,7 @@ a KV-cache pool: warmups are undone on it. A copy of each whole pool taken befor
 (what the runner did) costs a second KV cache for the length of ``capture_all``, 2 GiB for
 llama-1b's two caches at 64 sequences of 512 tokens, where a hand capture costs nothing: it writes
 a warmup's K/V into slots nobody reads yet. A :class:`Journal` keeps instead, op by op under the
-write tracker (``graphs/effects.py``), the pre-image of what each write is about to change, and
+write tracker (``graphs/findings/stream.py``), the pre-image of what each write is about to change, and
 puts them back newest first:
 
 - an indexed write (``index_copy_``, ``index_put_``, ``index_fill_``, ``index_add_``, the

@@ -27,11 +27,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphctl.errors import CaptureError
-from graphctl.graphs import pieces
-from graphctl.graphs.frames import user_frame
-from graphctl.graphs.journal import Journal, arguments, fresh_results, op_tensors, storage_bytes
-from graphctl.graphs.randomness import RandomUse, random_use
-from graphctl.graphs.reach import storage_key
+from graphctl.graphs.capture import pieces
+from graphctl.graphs.findings.frames import user_frame
+from graphctl.graphs.findings.journal import Journal, arguments, fresh_results, op_tensors, storage_bytes
+from graphctl.graphs.findings.randomness import RandomUse, random_use
+from graphctl.graphs.findings.reach import storage_key
 from graphctl.state.interrupts import drop_mode
 
 __all__ = ["Ledger", "PaddingHazard", "SideEffect", "Unreached", "WriteTracker", "storage_bytes", "storage_key"]
@@ -129,7 +129,7 @@ class WriteTracker(TorchDispatchMode):
                  declared: list[torch.Generator] | None = None,
                  journaled: dict[tuple[str, int], torch.Tensor] | None = None) -> None:
         super().__init__()
-        # declared lasting state (Persistent buffers) undone by the rows written (graphs/journal.py)
+        # declared lasting state (Persistent buffers) undone by the rows written (graphs/findings/journal.py)
         self.journal = Journal(journaled) if journaled else None
         self.declared = declared  # the declared generators (None: random ops are not looked at)
         # key -> (what drew, the generator or None for a default one, its state before the first draw)
@@ -145,11 +145,11 @@ class WriteTracker(TorchDispatchMode):
         self.tainted: dict[tuple[str, int], str] = dict(padded or {}) if not lean else {}
         self.hazards: dict[tuple[str, str], PaddingHazard] = {}
         self._alive: list[torch.Tensor] = []  # tainted results kept alive: a freed address reused is no taint
-        self.used: set[tuple[str, int]] = set()  # every storage an op read or wrote (graphs/rebinding.py)
+        self.used: set[tuple[str, int]] = set()  # every storage an op read or wrote (graphs/replay/rebinding.py)
         self.born: set[tuple[str, int]] = set()  # storages an op of this run produced
         self.external: dict[tuple[str, int], Unreached] = {}  # read before any op produced them
         self.before: dict[tuple[str, int], torch.Tensor] = {}  # the tensors behind ``external``
-        # eager regions' boundaries (graphs/pieces.py): a tensor a region made, kept and a piece read
+        # eager regions' boundaries (graphs/capture/pieces.py): a tensor a region made, kept and a piece read
         self.boundaries = pieces.Boundaries() if not lean else None
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
@@ -254,7 +254,7 @@ class Ledger:
         self.used: set[tuple[str, int]] = set()  # storages the tracked warmups' ops touched
         self.external: dict[tuple[str, int], Unreached] = {}  # read before produced (see WriteTracker)
         self.unreached: tuple[Unreached, ...] = ()  # those no path leads to (set after the passes)
-        self.declared: list[torch.Generator] = []  # the state's declared generators (graphs/randomness.py)
+        self.declared: list[torch.Generator] = []  # the state's declared generators (graphs/findings/randomness.py)
         self.random: dict[Any, RandomUse] = {}  # draws from default or undeclared generators, first seen
         self.generators: list[tuple[torch.Generator, torch.Tensor]] = []  # undeclared ones, state before
         self.before: dict[tuple[str, int], weakref.ref] = {}  # the tensors behind ``external``, while they live

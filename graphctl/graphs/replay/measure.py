@@ -15,8 +15,8 @@ from typing import Any, Protocol
 import torch
 
 from graphctl.errors import ReplayError, noted
-from graphctl.graphs.bucket import BucketGraph
-from graphctl.graphs.inputs import Buckets, StaticInput
+from graphctl.graphs.capture.bucket import BucketGraph
+from graphctl.graphs.capture.inputs import Buckets, StaticInput
 from graphctl.state.snapshot import Snapshot
 
 __all__ = ["Measurable", "measure", "coverage", "median_us"]

@@ -8,7 +8,7 @@ graph reading the capture-time tensor (vLLM #36611, #37639); a weight rebound af
 reload) leaves it reading the old weight; a declared generator replaced (``m.generator =
 torch.Generator()``) leaves it drawing from the old stream. At capture, :func:`collect` names
 every tensor the tracked warmups read or wrote that the forward reaches by a path
-(``graphs/reach.py``: an argument's attribute or item, ``self.…``, a closure cell, a global the
+(``graphs/findings/reach.py``: an argument's attribute or item, ``self.…``, a closure cell, a global the
 function names; a module's parameters, buffers and children through its dicts, one C lookup each)
 and that graphctl does not own (static inputs, arenas), weights included, and every entry the
 bound state declares, tensor or object, through the state's object; :func:`first_moved`
@@ -27,7 +27,7 @@ import torch
 
 from graphctl import ops
 from graphctl.errors import ReplayError
-from graphctl.graphs.reach import Reach, Root, TensorLeaf
+from graphctl.graphs.findings.reach import Reach, Root, TensorLeaf
 from graphctl.state.paths import steps
 
 __all__ = ["MAX_PATHS", "Entry", "PathCheck", "Paths", "assemble", "collect", "entries_of", "first_moved",
@@ -198,7 +198,7 @@ def entries_of(state: Any) -> list[Entry]:
 
 def collect(reach: Reach, used: set, owned: set, declared: Sequence[Entry] = ()) -> tuple[Paths, dict[str, int]]:
     """The paths to re-check at every replay: ``declared`` (every entry of the bound state), and
-    the walked tensors (``graphs/reach.py``) the warmups used (storage keys in ``used``) that
+    the walked tensors (``graphs/findings/reach.py``) the warmups used (storage keys in ``used``) that
     graphctl does not own (``owned``), weights included. At most :data:`MAX_PATHS`, dropped by role
     (weights first, then a module's registered buffers, before other state and the declared
     entries), never silently: the second value counts what was left unchecked, by role."""
@@ -250,7 +250,7 @@ def assemble(checks: Sequence[PathCheck]) -> Paths:
 
 def with_entries(checks: Sequence[PathCheck], state: Any) -> Paths:
     """``checks`` with the declared entries of ``state`` in place of the ones they had (a runner
-    re-pointed at a state bound again: ``graphs/repoint.py``)."""
+    re-pointed at a state bound again: ``graphs/replay/repoint.py``)."""
     return assemble([_check(e, False) for e in entries_of(state)] + [c for c in checks if c.role != "entry"])
 
 

@@ -2,7 +2,7 @@
 
 :class:`Capture` is what tinygrad calls a ``CapturedJit``: made from the example call
 (:meth:`Capture.make`: static inputs, the backend, the frozen arguments, the mutable-buffer guard),
-filled by the two passes (``graphs/passes.py``: the graphs per bucket, the workspaces the warmups
+filled by the two passes (``graphs/capture/passes.py``: the graphs per bucket, the workspaces the warmups
 kept, the paths to check, host values changed, side effects and unreached tensors in its
 :class:`Ledger`, dynamo's work), and dropped whole by ``reset()``. Before it exists nothing is
 captured. Loading a call's inputs, binding the forward's call on a bucket's static views, the
@@ -20,15 +20,15 @@ from graphctl.errors import DeclarationError, ReplayError
 from graphctl.graphs.analysis.nodes import Region
 from graphctl.graphs.analysis.report import BucketReport, Report
 from graphctl.graphs.backends import GraphBackend, select_backend
-from graphctl.graphs.bucket import BucketGraph
-from graphctl.graphs.calls import Signature, frozen_change
-from graphctl.graphs.effects import Ledger
-from graphctl.graphs.frozen import freeze
-from graphctl.graphs.hoststate import HostChange
-from graphctl.graphs.inputs import InputSlot, StaticInput
+from graphctl.graphs.capture.bucket import BucketGraph
+from graphctl.graphs.capture.calls import Signature, frozen_change
+from graphctl.graphs.capture.frozen import freeze
+from graphctl.graphs.capture.inputs import InputSlot, StaticInput
+from graphctl.graphs.findings.hoststate import HostChange
+from graphctl.graphs.findings.randomness import declared_generators
+from graphctl.graphs.findings.stream import Ledger
 from graphctl.graphs.options import Options
-from graphctl.graphs.randomness import declared_generators
-from graphctl.graphs.rebinding import Paths, first_moved
+from graphctl.graphs.replay.rebinding import Paths, first_moved
 from graphctl.knobs import knobs
 from graphctl.state import BoundState
 from graphctl.state.snapshot import Snapshot
@@ -57,14 +57,14 @@ class Capture:
     frozen: dict[str, tuple[Any, Any]]  # non-input argument -> (object, structural copy)
     example: tuple[tuple, dict]
     n: int  # the example's batch items
-    ledger: Ledger  # side effects, padding hazards, unreached tensors (graphs/effects.py)
-    # filled by the passes (graphs/passes.py)
+    ledger: Ledger  # side effects, padding hazards, unreached tensors (graphs/findings/stream.py)
+    # filled by the passes (graphs/capture/passes.py)
     graphs: dict[int, BucketGraph] = dataclasses.field(default_factory=dict)
     workspaces: tuple[Region, ...] = ()  # what the warmups allocated and kept (library workspaces)
     host_changes: tuple[HostChange, ...] = ()  # host values the passes changed (policy applied)
     paths: Paths | list = dataclasses.field(default_factory=list)  # re-checked before every replay
     sites: tuple[str, ...] = ()  # the compiled callables the forward reaches, by path
-    # bucket -> dynamo's work: warmup_frames, warmup_graphs, breaks, uncompiled (graphs/compiled.py)
+    # bucket -> dynamo's work: warmup_frames, warmup_graphs, breaks, uncompiled (graphs/capture/compiled.py)
     compile: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
     reach: dict[str, int] = dataclasses.field(default_factory=dict)  # what the walk saw and left out
     warmup_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # bucket -> its warmups' wall time
@@ -94,7 +94,7 @@ class Capture:
                                        fix=f"capture buckets up to {rows // pads[d.axis]}, or size the state "
                                            f"(e.g. max_seqs) for {largest} items")
         cap = cls(sig, state, inputs, slots, tuple(sig.position[si.name] for si in inputs), pads,
-                  # Persistent buffers are the passes' to guard: by rows where they can (graphs/journal.py)
+                  # Persistent buffers are the passes' to guard: by rows where they can (graphs/findings/journal.py)
                   select_backend(opts.backend, slots[0].device), Snapshot.of(state, _guarded),
                   # the replay-time refreshes of draft twins; a spec without any needs no switch around replay
                   state is not None and bool(state.snapshot_names("refresh")),
@@ -158,7 +158,7 @@ class Capture:
                 return slot.spec.check(live, slot.static, n)
         if self.frozen and (err := frozen_change(self.frozen, self.sig, args, kwargs)) is not None:
             return err
-        if paths and self.paths:  # graphs/rebinding.py
+        if paths and self.paths:  # graphs/replay/rebinding.py
             err = first_moved(self.paths, args, kwargs)
             sw = self.state.active_switch if self.state is not None else None
             if err is not None and sw is not None and err.buffer is not None and err.buffer.startswith("state."):
@@ -211,7 +211,7 @@ class Capture:
     def known_tensors(self, outputs: list[torch.Tensor], regions: Any = ()) -> list[tuple[str, str, torch.Tensor]]:
         """``(kind, name, tensor)`` of the memory the runner knows: the state's buffers and
         twins, its snapshot arenas, the static inputs, ``outputs``, frozen tensor arguments, and
-        the static outputs of the graph's eager ``regions`` (``graphs/pieces.py``)."""
+        the static outputs of the graph's eager ``regions`` (``graphs/capture/pieces.py``)."""
         out: list[tuple[str, str, torch.Tensor]] = []
         if self.state is not None:
             out += [("buffer", n, self.state.tensor(n)) for n in self.state.addresses()]

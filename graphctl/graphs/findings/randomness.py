@@ -7,7 +7,7 @@ state of every declared generator and of torch's default generators around every
 measure and verify run, so they never advance the caller's streams, and a CUDA capture registers
 the CUDA ones with the graph (a replay then draws on from the generator's state at that time).
 
-The write tracker (``graphs/effects.py``) sees every random op of a tracked warmup: a draw from a
+The write tracker (``graphs/findings/stream.py``) sees every random op of a tracked warmup: a draw from a
 default generator or from a generator the spec does not declare is a finding of the report (an
 undeclared generator is restored like a side effect and registered with the graph too).
 """
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from graphctl.graphs.frames import user_frame
+from graphctl.graphs.findings.frames import user_frame
 
 __all__ = ["RandomUse", "random_use", "declared_generators", "same_generator"]
 

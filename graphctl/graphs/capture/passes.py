@@ -1,4 +1,4 @@
-"""The two capture passes, filling one :class:`~graphctl.graphs.capture.Capture`.
+"""The two capture passes, filling one :class:`~graphctl.graphs.capture.record.Capture`.
 
 :func:`capture_buckets` runs them on the record the example call made:
 
@@ -8,7 +8,7 @@
    bucket, once (``min(warmup_iters, 1)``) at each smaller one (what a second run would do
    that the first did not is process-wide, and the largest bucket's runs did it); a compiled
    forward ``max(warmup_iters, 2)`` times at every bucket (its tracked run is eager). Every eager run
-   goes under the side-effect tracker (``graphs/effects.py``): in full (writes, reads, padding
+   goes under the side-effect tracker (``graphs/findings/stream.py``): in full (writes, reads, padding
    taint) the largest bucket's first run and the first run of each bucket holding padded rows,
    the others for writes only (the tracker's cost paid once per forward where padding cannot
    differ); what they find is restored after every run. Every workspace reaches its high-water
@@ -16,9 +16,9 @@
 2. **capture**, largest first into one pool (smaller graphs reuse its blocks), each bucket
    from the caller's state again, segments marked at every switch boundary.
 
-The objects the forward reaches are walked twice (``graphs/reach.py``): before the passes and
+The objects the forward reaches are walked twice (``graphs/findings/reach.py``): before the passes and
 after them. The caller's state (declared buffers and side effects) is handed back as it was
-found, on success and on any exception. Compiled forwards (``graphs/compiled.py``): the first
+found, on success and on any exception. Compiled forwards (``graphs/capture/compiled.py``): the first
 run of a bucket goes under the ``force_eager`` stance (tracked), the others run compiled
 (untracked: a digest of the watched storages finds what they alone write), and dynamo's work
 is counted per bucket (a frame it must convert during a capture ran uncompiled).
@@ -36,15 +36,17 @@ from typing import Any
 import torch
 
 from graphctl.errors import CaptureError
-from graphctl.graphs import compiled, hoststate, pieces, reach, rebinding
 from graphctl.graphs.analysis.audit import param_tensors
 from graphctl.graphs.analysis.nodes import Region
-from graphctl.graphs.bucket import BucketGraph, gc_held, segments_from_marks, settle_slicing, spans_from_marks
-from graphctl.graphs.calls import name_of
-from graphctl.graphs.capture import Capture
-from graphctl.graphs.effects import storage_key
+from graphctl.graphs.capture import compiled, pieces
+from graphctl.graphs.capture.bucket import BucketGraph, gc_held, segments_from_marks, settle_slicing, spans_from_marks
+from graphctl.graphs.capture.calls import name_of
+from graphctl.graphs.capture.record import Capture
+from graphctl.graphs.findings import hoststate, reach
+from graphctl.graphs.findings.randomness import declared_generators
+from graphctl.graphs.findings.stream import storage_key
 from graphctl.graphs.options import Options
-from graphctl.graphs.randomness import declared_generators
+from graphctl.graphs.replay import rebinding
 from graphctl.state import BoundState, CopyInPlace
 from graphctl.state import paths as entry_paths
 from graphctl.state.phase import given
@@ -57,7 +59,7 @@ log = logging.getLogger("graphctl")
 
 def capture_buckets(fn: Callable[..., Any], cap: Capture, opts: Options, arguments: dict[str, Any]) -> None:
     """Both passes (see the module docstring), their results kept in ``cap``. The objects
-    the forward reaches are walked twice (``graphs/reach.py``): before the passes (what the
+    the forward reaches are walked twice (``graphs/findings/reach.py``): before the passes (what the
     write tracker watches, host values before, compiled callables) and after them (host values
     after, the paths to check, what is reached at all)."""
     p = _Passes(fn, cap, opts)
@@ -170,7 +172,7 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
     order = sorted(p.opts.buckets.sizes, reverse=True)
     graphs: dict[int, BucketGraph] = {}
     # Persistent buffers (KV-cache pools): where every warmup is tracked (an eager forward) each one's writes are
-    # undone by the rows they touched (graphs/journal.py), and a capture that executes gets a whole copy; a
+    # undone by the rows they touched (graphs/findings/journal.py), and a capture that executes gets a whole copy; a
     # compiled forward's untracked runs get whole copies around every run, as mutable buffers do (cap.guard)
     lasting = _lasting(p)
     journaled = {} if compiled_fn else {storage_key(t): t for t in lasting.values()}
@@ -335,7 +337,7 @@ def _capture_one(p: _Passes, bucket: int, call: tuple[tuple, dict], pool: Any,
 
 
 class _Watch:
-    """The runner's checks at each eager region of one bucket's capture (``graphs/pieces.py``)."""
+    """The runner's checks at each eager region of one bucket's capture (``graphs/capture/pieces.py``)."""
 
     __slots__ = ("cap", "bucket")
 

@@ -41,7 +41,7 @@ Constraints (each checked, a violation is a typed error):
   refresh switch around it, so it sees the state as at capture.
 - A region is user code for interrupts: a replay holds a first Ctrl-C until the replay ends
   (the state stays consistent), and a second one reaches a region that hangs; the runner then
-  restores any switch recorded open across it (``graphs/bucket.py``).
+  restores any switch recorded open across it (``graphs/capture/bucket.py``).
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ _NAMES: set[str] = set()  # every region's qualified name (told apart in dynamo'
 
 
 class Watch(Protocol):
-    """What the runner checks at each region of a capture (``graphs/passes.py``)."""
+    """What the runner checks at each region of a capture (``graphs/capture/passes.py``)."""
 
     def admit(self, name: str, in_switch: bool) -> bool: ...  # before the piece ends: refuse an open switch;
     # whether a switch is open across the region (an in_switch one)
@@ -295,7 +295,7 @@ class EagerRegion:
             self._described = "an argument of the region that a later piece writes in place"
 
     def repointed(self, args: tuple, kwargs: dict) -> None:
-        """A re-pointed graph passes these arguments from now on (``graphs/repoint.py``): a result
+        """A re-pointed graph passes these arguments from now on (``graphs/replay/repoint.py``): a result
         that aliased a moved argument must alias it at its new address."""
         def tensors(a: tuple, k: dict) -> list[torch.Tensor]:
             return [t for t in tree_flatten((a, k))[0] if isinstance(t, torch.Tensor)]

@@ -10,7 +10,7 @@ facts about dynamo shape what this module does:
   tracker of each bucket's first warmup and the emulated backend's recorder. So neither ever
   meets a compiled frame: the tracked warmup runs under the ``force_eager`` stance (the same
   Python code, every write visible to the tracker; dynamo is not asked, so it records nothing),
-  and the emulated recorder runs every compiled callable it can reach (``graphs/reach.py`` finds
+  and the emulated recorder runs every compiled callable it can reach (``graphs/findings/reach.py`` finds
   them) as one opaque recorded call, with the recorder popped and the stance restored, and everything else
   under ``force_eager``.
 - Dynamo refuses to compile inside a CUDA stream capture. Every bucket therefore gets at least

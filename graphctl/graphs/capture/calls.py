@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from graphctl.errors import ReplayError
-from graphctl.graphs.compiled import unwrap
-from graphctl.graphs.frozen import first_change, freeze
+from graphctl.graphs.capture.compiled import unwrap
+from graphctl.graphs.capture.frozen import first_change, freeze
 
 __all__ = ["Signature", "frozen_change", "name_of", "wraps"]
 

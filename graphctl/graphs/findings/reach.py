@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
 
-from graphctl.graphs.compiled import is_compiled, unwrap
+from graphctl.graphs.capture.compiled import is_compiled, unwrap
 from graphctl.state import BoundState
 
 __all__ = ["MAX_DEPTH", "MAX_NODES", "Reach", "Root", "TensorLeaf", "HostLeaf", "SiteLeaf", "roots", "walk",
