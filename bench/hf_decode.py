@@ -42,7 +42,7 @@ import torch
 
 import graphctl
 from graphctl.graphs.findings import reach
-from graphctl.graphs.findings.stream import WriteTracker
+from graphctl.graphs.findings.ledger import Ledger
 
 
 def _model(layers: int):
@@ -154,9 +154,9 @@ def _tracker_cost(model, kw, cache, tok, repeats: int = 5) -> tuple[float, float
             if name == "plain":
                 _call(model, kw, tok, cache)
             else:  # as graphctl runs it: force_eager, or dynamo would skip (and on torch 2.11 keep skipping) the frame
-                with torch.compiler.set_stance("force_eager"), WriteTracker(watched, set()) as tracker:
-                    _call(model, kw, tok, cache)
-                tracker.undo()
+                with torch.compiler.set_stance("force_eager"):  # the full watchers, the run undone after
+                    Ledger("restore", None).track(lambda: _call(model, kw, tok, cache), watched, set(),
+                                                  torch.cuda.synchronize, padded={})
             torch.cuda.synchronize()
             out[name].append((time.perf_counter() - t0) * 1e3)
             for t, s in zip(_cache_tensors(cache), saved):

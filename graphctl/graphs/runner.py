@@ -46,7 +46,7 @@ from graphctl.graphs.capture.passes import capture_buckets
 from graphctl.graphs.capture.record import Capture
 from graphctl.graphs.face import RunnerFace, Unit
 from graphctl.graphs.findings.hoststate import HostChange
-from graphctl.graphs.findings.stream import SideEffect
+from graphctl.graphs.findings.side_effects import SideEffect
 from graphctl.graphs.options import Options, per_instance
 from graphctl.graphs.replay.distributed import Agreement, agreed_switch
 from graphctl.knobs import knobs

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import graphctl
 from graphctl import ops
 from graphctl.graphs.findings import reach
-from graphctl.graphs.findings.stream import storage_key
+from graphctl.graphs.findings.reach import storage_key
 from graphctl.graphs.replay.rebinding import collect, first_moved
 
 pytestmark = pytest.mark.skipif(not ops.uses_extension(), reason="graphctl._C is not loaded")

@@ -359,7 +359,7 @@ def test_ctrl_c_at_any_line_of_a_capture_leaves_no_dispatch_mode_or_capture_flag
     # later op recorded or refused as "illegal under graph capture"), or inside `with self._lock` left the lock
     # taken (the next capture deadlocked) and the thread answering is_current_stream_capturing() True.
     from graphctl.graphs.backends.emulated import EmulatedBackend
-    from graphctl.graphs.findings.stream import Ledger
+    from graphctl.graphs.findings.ledger import Ledger
     from graphctl.testing.interrupts import call_interrupted
 
     if where == "backend":  # every line of graphctl the capture runs: the recorder, the look-alike, the phase

@@ -155,16 +155,17 @@ def test_a_capture_walks_the_objects_twice(backend, device, monkeypatch):
 def test_the_full_tracker_runs_once_per_forward_unless_buckets_hold_padding(backend, device, monkeypatch):
     # Issue 32: every bucket's first warmup ran under the full tracker (reads, taint: ~8x an eager step on an HF
     # model); only buckets with padded rows can differ there, the rest need its writes only.
-    from graphctl.graphs.findings import stream as effects
+    from graphctl.graphs.findings import ledger
 
     full = []
-    real = effects.WriteTracker.__init__
+    real = ledger.Track
 
-    def init(self, watched, exclude, padded=None, lean=False, declared=None, journaled=None):
-        full.append(not lean)
-        real(self, watched, exclude, padded, lean, declared, journaled)
+    def make(*args, **kwargs):  # every tracked run's Track: lean ones have no padded inputs to follow
+        track = real(*args, **kwargs)
+        full.append(not track.lean)
+        return track
 
-    monkeypatch.setattr(effects.WriteTracker, "__init__", init)
+    monkeypatch.setattr(ledger, "Track", make)
     eng = _Engine(device, 3)
     f = graphctl.graphed(eng.forward, buckets=[1, 2, 4, 8], inputs=["x"], backend=backend, progress=False)
     f.capture_all(torch.randn(8, 4).to(device))  # 8 items: no bucket is padded

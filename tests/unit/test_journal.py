@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from graphctl.graphs.findings.reach import storage_key
-from graphctl.graphs.findings.stream import WriteTracker
+from graphctl.graphs.findings.side_effects import Writes
+from graphctl.graphs.findings.stream import OpStream, Track
 
 
-def _tracked(pool: torch.Tensor, body) -> WriteTracker:
-    tracker = WriteTracker({}, set(), lean=True, journaled={storage_key(pool): pool})
-    with tracker:
+def _tracked(pool: torch.Tensor, body) -> Writes:
+    """``body`` run under a lean op stream whose side-effect watcher journals ``pool``."""
+    tracker = Writes(Track({}, set(), None, [], {storage_key(pool): pool}))
+    with OpStream([tracker], lean=True):
         body()
     return tracker
 
@@ -63,7 +65,7 @@ def test_past_half_the_storage_a_journal_keeps_the_whole_storage_once(gen):
 
 
 def test_a_run_that_raises_partway_is_undone_by_rows(gen):
-    from graphctl.graphs.findings.stream import Ledger
+    from graphctl.graphs.findings.ledger import Ledger
 
     pool = torch.randn(16, 8, 4, generator=gen)
     before = pool.clone()

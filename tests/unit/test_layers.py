@@ -133,3 +133,29 @@ def test_no_module_over_450_lines():
     # Issue 17: runner.py and bound.py had grown past 450 lines.
     long = {str(p.relative_to(ROOT)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
     assert long == {}, long
+
+
+def test_graphs_holds_a_few_modules_and_its_stages_as_subpackages():
+    # Issue 52: graphs/ was 37 flat modules; by stage it is a few modules and the capture, findings, replay, analysis
+    # and backends subpackages.
+    top = sorted(p.name for p in (PKG / "graphs").glob("*.py"))
+    assert len(top) <= 12, top
+    assert {"capture", "findings", "replay", "analysis", "backends"} <= {p.name for p in (PKG / "graphs").iterdir()
+                                                                         if p.is_dir() and p.name != "__pycache__"}
+
+
+def test_each_finding_kind_is_one_record_defined_with_its_watcher():
+    # Issue 52: each finding kind was threaded by hand through six files to the report; now a record type per kind,
+    # defined in one module with the watcher that finds it, listed once (findings.KINDS).
+    import inspect
+
+    from graphctl.graphs import findings
+
+    modules = {}
+    for kind in findings.KINDS:
+        assert kind.kind and kind.line is not findings.Finding.line, kind
+        modules[kind] = inspect.getmodule(kind).__name__
+        if kind.watcher is not None:
+            assert inspect.getmodule(kind.watcher).__name__ == modules[kind], (kind, kind.watcher)
+    assert len(set(modules.values())) == len(findings.KINDS), modules  # one module a kind
+    assert len({k.kind for k in findings.KINDS}) == len(findings.KINDS)

@@ -41,7 +41,10 @@ import io
 import json
 from typing import Any
 
+from graphctl.graphs.findings import REPORTED, grouped
+
 __all__ = ["Segment", "BucketReport", "Report", "SCHEMA"]
+
 
 SCHEMA = "graphctl.report/2"
 
@@ -85,19 +88,11 @@ class Report:
     torch: str
     buckets: tuple[BucketReport, ...]
     fallbacks: dict[str, int]
-    # what the forward writes that graphctl does not own (graphs/findings/stream.py): path, op, where,
-    # bytes, and the policy applied (restore, error, ignore)
-    side_effects: tuple[dict[str, Any], ...] = ()
+    # every finding, as records (graphs/findings/): padding hazards, unreached tensors, draws from undeclared
+    # generators, host values the warmups changed, side effects (each with the runner's policy): a JSON list a kind
+    records: tuple[Any, ...] = ()
     eager_streak: int = 0  # calls since the last replay, all eager
     bypassed: bool = False  # eager_streak reached the bypass window: the graphs serve nothing
-    # host values capture_all's warmups and capture changed (graphs/findings/hoststate.py): path, before, after, policy
-    host_changes: tuple[dict[str, Any], ...] = ()
-    # padded rows of a static input indexing a write into state that outlives the call (graphs/findings/stream.py):
-    # input, op, where, target
-    padding_hazards: tuple[dict[str, Any], ...] = ()
-    # tensors the forward read that existed before it ran and no checked path reaches (graphs/findings/stream.py):
-    # shape, dtype, device, op, where
-    unreached: tuple[dict[str, Any], ...] = ()
     # torch.compile (graphs/capture/compiled.py): the compiled callables the forward reaches, by path, and per
     # bucket dynamo's work: warmup_frames / warmup_graphs (recompiles), breaks, uncompiled (frames
     # dynamo was asked to convert during the capture: they ran uncompiled)
@@ -106,8 +101,13 @@ class Report:
     # what the capture's walk of the forward's objects saw and left out (graphs/findings/reach.py): objects,
     # tensors, host_values, paths_checked, paths_unchecked (past the cap), past_depth, past_bound
     reach: dict[str, int] = dataclasses.field(default_factory=dict)
-    # draws from a default or an undeclared generator (graphs/findings/randomness.py): generator, op, where
-    random_state: tuple[dict[str, Any], ...] = ()
+
+    # each kind's records as JSON dicts (graphs/findings/: the JSON key is the kind's)
+    side_effects = property(lambda self: grouped(self.records)["side_effects"])
+    host_changes = property(lambda self: grouped(self.records)["host_changes"])
+    padding_hazards = property(lambda self: grouped(self.records)["padding_hazards"])
+    unreached = property(lambda self: grouped(self.records)["unreached"])
+    random_state = property(lambda self: grouped(self.records)["random_state"])
 
     @classmethod
     def merge(cls, function: str, parts: list[tuple[str, Report]], fallbacks: dict[str, int]) -> Report:
@@ -154,7 +154,9 @@ class Report:
                 f"{sum(st['breaks'] for st in self.compile.values())}")
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "records"}
+        d["buckets"] = [dataclasses.asdict(b) for b in self.buckets]
+        d.update({k: list(v) for k, v in grouped(self.records).items()})
         d["schema"] = SCHEMA
         return d
 
@@ -183,21 +185,13 @@ class Report:
         """One line per thing the capture found beyond the table (``str(report)`` and ``graphctl
         capture`` print these): padding hazards, what the reach walk left out, unreached reads,
         host values changed, side effects."""
-        out = [f"padding hazard: padded rows of input '{z['input']}' index {z['op']} into {z['target']} "
-               f"at {z['where']}: pad with a sentinel the write skips, or a scratch slot" for z in self.padding_hazards]
-        left = {k: self.reach.get(k, 0) for k in ("paths_unchecked", "past_depth", "past_bound")}
-        if any(left.values()):
-            out.append("reach walk left out: " + ", ".join(f"{k} {v:,}" for k, v in left.items() if v))
-        out += [f"reached by no path: a {u['dtype']} tensor {list(u['shape'])} on {u['device']} read by "
-                f"{u['op']} at {u['where']}: declare it or keep it where the forward's arguments reach"
-                for u in self.unreached]
-        out += [f"random state: {r['generator']}, drawn from by {r['op']} at {r['where']} (its state restored "
-                "around warmups, capture and verify; replays advance it): declare a generator in the spec to give "
-                "the graph's draws a stream of their own" for r in self.random_state]
-        out += [f"host state changed by warmup/capture ({h['policy']}): {h['path']} {h['before']!r} -> "
-                f"{h['after']!r}" for h in self.host_changes]
-        out += [f"side effect ({e['policy']}): {e['path']} ({e['nbytes']:,} B) written by {e['op']} at "
-                f"{e['where']}" for e in self.side_effects]
+        out: list[str] = []
+        for kind in REPORTED:  # each kind's lines, in the kinds' order; what the reach walk left out after the first
+            out += [r.line() for r in self.records if type(r) is kind]
+            if kind is REPORTED[0]:
+                left = {k: self.reach.get(k, 0) for k in ("paths_unchecked", "past_depth", "past_bound")}
+                if any(left.values()):
+                    out.append("reach walk left out: " + ", ".join(f"{k} {v:,}" for k, v in left.items() if v))
         return out
 
     def __str__(self) -> str:

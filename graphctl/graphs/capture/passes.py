@@ -44,7 +44,7 @@ from graphctl.graphs.capture.calls import name_of
 from graphctl.graphs.capture.record import Capture
 from graphctl.graphs.findings import hoststate, reach
 from graphctl.graphs.findings.randomness import declared_generators
-from graphctl.graphs.findings.stream import storage_key
+from graphctl.graphs.findings.reach import storage_key
 from graphctl.graphs.options import Options
 from graphctl.graphs.replay import rebinding
 from graphctl.state import BoundState, CopyInPlace

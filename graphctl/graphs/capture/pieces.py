@@ -28,8 +28,9 @@ Constraints (each checked, a violation is a typed error):
   Tensors keep the capture's shapes and dtypes and host results the capture's values (later
   pieces baked them in).
 - A tensor a region makes and does not return, published elsewhere (``box.cache = h * 2``) and
-  read by a later piece, is found by the tracked warmup and refused (``CaptureError``): a replay
-  would read the capture's tensor while the region publishes a new one. Return it instead.
+  read by a later piece, is found by the tracked warmup (``findings/regions.py``) and refused
+  (``CaptureError``): a replay would read the capture's tensor while the region publishes a new
+  one. Return it instead.
 - No ``state.switch`` is open across a region (the capture raises ``CaptureError``): a switch's
   host side (rebound attributes) is not replayed around an eager call, so a region looking up
   the state itself would see the target's objects under a draft switch. Open and close the
@@ -46,7 +47,6 @@ Constraints (each checked, a violation is a typed error):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import re
@@ -61,8 +61,8 @@ from torch.utils._pytree import tree_flatten
 from graphctl.errors import CaptureError, ReplayError
 from graphctl.state.interrupts import in_user_code
 
-__all__ = ["eager", "is_eager", "calls", "EagerRegion", "Published", "Boundaries", "Watch", "regions", "watching",
-           "listening", "admit", "run_region", "saved", "restore", "fullgraph_error"]
+__all__ = ["eager", "is_eager", "calls", "EagerRegion", "Listener", "Watch", "regions", "watching", "listening",
+           "admit", "run_region", "saved", "restore", "fullgraph_error"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 # .region: the running capture's handler; .watch: the runner's per-capture checks; .listener: a tracked
@@ -182,8 +182,15 @@ def watching(watch: Watch | None) -> contextlib.AbstractContextManager[None]:
     return _installed("watch", watch)
 
 
-def listening(listener: Boundaries | None) -> contextlib.AbstractContextManager[None]:
-    """A tracked warmup's :class:`Boundaries`, told of every plain region call in this thread."""
+class Listener(Protocol):
+    """Told of every plain region call in this thread (a tracked warmup's, ``findings/regions.py``)."""
+
+    def enter(self, name: str, args: tuple, kwargs: dict) -> None: ...
+    def leave(self, out: Any) -> None: ...
+
+
+def listening(listener: Listener | None) -> contextlib.AbstractContextManager[None]:
+    """A tracked warmup's :class:`Listener`, told of every plain region call in this thread."""
     return _installed("listener", listener)
 
 
@@ -369,60 +376,3 @@ class EagerRegion:
                what: str = "an eager region returned another structure than at capture") -> ReplayError:
         return ReplayError(what, buffer=self.name, expected=(f"output {i}: " if i is not None else "") + expected,
                            found=found, fix=fix)
-
-
-@dataclasses.dataclass(frozen=True)
-class Published:
-    """A tensor an eager region made and did not return, read by a later piece: a replay reads
-    the capture's tensor while the region publishes a new one."""
-
-    region: str
-    op: str  # the first op of a piece that used it
-    where: str  # that op's user file:line
-    shape: tuple[int, ...]
-    dtype: str
-
-    def __str__(self) -> str:
-        return (f"a {self.dtype} tensor of shape {list(self.shape)} made inside eager region {self.region} and not "
-                f"returned, used by {self.op} at {self.where}")
-
-
-class Boundaries:
-    """The region boundaries of one tracked warmup (the write tracker feeds it every op): the
-    storages each region makes, which of them it returns, and every later use of one it kept to
-    itself by an op outside any region (:class:`Published`)."""
-
-    __slots__ = ("depth", "stack", "born", "found")
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.stack: list[str] = []
-        self.born: dict[int, str] = {}  # storage -> the region that made it (not returned)
-        self.found: dict[int, Published] = {}
-
-    def enter(self, name: str, args: tuple, kwargs: dict) -> None:
-        if not self.depth:  # a region's arguments are baked at capture: one the region before made is stale
-            self.op(f"an argument of eager region {name}", [t for t in tree_flatten((args, kwargs))[0]
-                                                            if isinstance(t, torch.Tensor)], [], lambda: "-")
-        self.stack.append(name)
-        self.depth += 1
-
-    def leave(self, out: Any) -> None:
-        self.depth -= 1
-        self.stack.pop()
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.born.pop(_storage(t), None)  # returned: it crosses the boundary as a result
-
-    def op(self, name: str, used: list[torch.Tensor], made: list[torch.Tensor], where: Callable[[], str]) -> None:
-        if self.depth:
-            for t in made:
-                self.born[_storage(t)] = self.stack[0]
-            return
-        for t in used:
-            st = _storage(t)
-            if st in self.born and st not in self.found:
-                self.found[st] = Published(self.born[st], name, where(), tuple(t.shape),
-                                           str(t.dtype).removeprefix("torch."))
-        for t in made:  # a piece's op made it: an address handed out again is a new storage
-            self.born.pop(_storage(t), None)

@@ -25,8 +25,8 @@ from graphctl.graphs.capture.calls import Signature, frozen_change
 from graphctl.graphs.capture.frozen import freeze
 from graphctl.graphs.capture.inputs import InputSlot, StaticInput
 from graphctl.graphs.findings.hoststate import HostChange
+from graphctl.graphs.findings.ledger import Ledger
 from graphctl.graphs.findings.randomness import declared_generators
-from graphctl.graphs.findings.stream import Ledger
 from graphctl.graphs.options import Options
 from graphctl.graphs.replay.rebinding import Paths, first_moved
 from graphctl.knobs import knobs
@@ -250,12 +250,11 @@ class Capture:
 
     def report(self, name: str, opts: Options, fallbacks: dict[str, int], streak: int) -> Report:
         """``runner.report()`` of this capture (``analysis/report.py``)."""
-        be, asdict = self.backend, dataclasses.asdict
+        be = self.backend
         device = str(be.device) + (f" ({torch.cuda.get_device_name(be.device)})" if be.device.type == "cuda" else "")
-        return Report(name, be.name, device, torch.__version__, self.rows(), fallbacks,
-                      tuple({**asdict(e), "policy": opts.side_effects} for e in self.ledger.effects), streak,
-                      bool(self.graphs) and 0 < knobs.bypass_window <= streak,
-                      tuple({**asdict(h), "policy": opts.host_state} for h in self.host_changes),
-                      tuple(asdict(h) for h in self.ledger.hazards.values()),
-                      tuple(asdict(u) for u in self.ledger.unreached), self.sites, dict(self.compile), dict(self.reach),
-                      tuple(asdict(u) for u in self.ledger.random.values()))
+        records = [*self.ledger.hazards.values(), *self.ledger.unreached, *self.ledger.random.values(),
+                   *(dataclasses.replace(h, policy=opts.host_state) for h in self.host_changes),
+                   *(dataclasses.replace(e, policy=opts.side_effects) for e in self.ledger.effects)]
+        return Report(name, be.name, device, torch.__version__, self.rows(), fallbacks, tuple(records), streak,
+                      bool(self.graphs) and 0 < knobs.bypass_window <= streak, self.sites, dict(self.compile),
+                      dict(self.reach))

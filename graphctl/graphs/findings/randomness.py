@@ -7,35 +7,44 @@ state of every declared generator and of torch's default generators around every
 measure and verify run, so they never advance the caller's streams, and a CUDA capture registers
 the CUDA ones with the graph (a replay then draws on from the generator's state at that time).
 
-The write tracker (``graphs/findings/stream.py``) sees every random op of a tracked warmup: a draw from a
-default generator or from a generator the spec does not declare is a finding of the report (an
-undeclared generator is restored like a side effect and registered with the graph too).
+:class:`Draws` watches every random op of a tracked warmup (``findings/stream.py``): a draw from
+a default generator or from a generator the spec does not declare is a :class:`RandomUse`, a
+finding of the report (an undeclared generator is restored like a side effect and registered with
+the graph too).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from graphctl.graphs.findings.frames import user_frame
+from graphctl.graphs.findings.record import Finding
+from graphctl.graphs.findings.stream import Op, Track, Watcher
 
-__all__ = ["RandomUse", "random_use", "declared_generators", "same_generator"]
+__all__ = ["Draws", "RandomUse", "random_use", "declared_generators", "same_generator"]
 
 _SEEDED = torch.Tag.nondeterministic_seeded
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class RandomUse:
+class RandomUse(Finding):
     """A random op's draw from a generator the spec does not declare."""
 
+    kind: ClassVar[str] = "random_state"
     generator: str  # "the default cpu generator", "an undeclared torch.Generator on cuda:0"
     op: str
     where: str
 
     def __str__(self) -> str:
         return f"{self.generator}, drawn from by {self.op} at {self.where}"
+
+    def line(self) -> str:
+        return (f"random state: {self.generator}, drawn from by {self.op} at {self.where} (its state restored around "
+                "warmups, capture and verify; replays advance it): declare a generator in the spec to give the "
+                "graph's draws a stream of their own")
 
 
 def declared_generators(state: Any) -> dict[str, torch.Generator]:
@@ -79,3 +88,37 @@ def random_use(func: Any, args: tuple, kwargs: dict, known: list[torch.Generator
     dev = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
     dev = torch.device(kwargs["device"]) if kwargs.get("device") is not None else dev or torch.device("cpu")
     return ("default", dev.type), RandomUse(f"the default {dev.type} generator", func._schema.name, user_frame()), None
+
+
+class Draws(Watcher):
+    """Every random op's draw from a default generator or an undeclared one, and each undeclared
+    generator's state before its first draw (put back after the run, as a side effect is)."""
+
+    stage = 0
+
+    def __init__(self, track: Track) -> None:
+        super().__init__(track)
+        # key -> (what drew, the generator or None for a default one, its state before the first draw)
+        self.random: dict[Any, tuple[RandomUse, torch.Generator | None, torch.Tensor | None]] = {}
+
+    def before(self, op: Op) -> None:
+        known = self.track.declared + [g for _, g, _ in self.random.values() if g is not None]
+        r = random_use(op.func, op.args, op.kwargs, known)
+        if r is not None and r[0] not in self.random:  # an undeclared stream: its state before its first draw
+            self.random[r[0]] = (r[1], r[2], r[2].get_state() if r[2] is not None else None)
+
+    def undo(self) -> None:
+        for _, gen, st in self.random.values():
+            if gen is not None and st is not None:
+                gen.set_state(st)  # an undeclared stream too, as a side effect (guarded from now on: passes)
+
+    def finish(self, ledger: Any) -> None:
+        for (kind, at), (use, gen, st) in self.random.items():
+            if gen is not None and st is not None:  # unknown to this run's watcher: new to the ledger too
+                ledger.generators.append((gen, st))
+                at = len(ledger.generators)
+            ledger.random.setdefault((kind, at), use)
+        self.random = {}
+
+
+RandomUse.watcher = Draws

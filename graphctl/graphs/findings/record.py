@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from graphctl.graphs.findings.stream import Watcher
+
 __all__ = ["Finding"]
 
 
@@ -20,7 +22,7 @@ class Finding:
 
     __slots__ = ()
     kind: ClassVar[str] = ""  # the report's JSON key for this kind's list
-    watcher: ClassVar[type | None] = None  # the findings/stream.py Watcher that finds it (None: found otherwise)
+    watcher: ClassVar[type[Watcher] | None] = None  # the op stream's watcher that finds it (None: found otherwise)
 
     def line(self) -> str:
         """The record as one line of ``str(report)`` and ``graphctl capture``."""
