@@ -16,7 +16,8 @@ BUCKETS = [2, 4]
 
 
 def _body(x: torch.Tensor, k: int) -> torch.Tensor:
-    return torch.tanh(x * k) + torch.rand_like(x) * 0  # a draw from the default generator: a finding too
+    # a draw from the default generator at k == 3 only: a finding one variant makes and the other does not
+    return torch.tanh(x * k) + (torch.rand_like(x) * 0 if k == 3 else 0)
 
 
 def fwd(x: torch.Tensor, k: int) -> torch.Tensor:
