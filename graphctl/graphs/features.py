@@ -48,7 +48,7 @@ def _has_while_loop() -> bool:
     return True
 
 
-def _version_of(call) -> str | None:
+def _version_of(call: Any) -> str | None:
     """``"13.0"`` from a cuda-bindings version call; None without a driver (the bindings then
     raise while loading libcuda, not an error code)."""
     try:

@@ -10,6 +10,7 @@ op per direction."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -26,7 +27,8 @@ class Group:
 
     __slots__ = ("device", "names", "statics", "arenas", "copies")
 
-    def __init__(self, device, names, statics, arenas, copies) -> None:
+    def __init__(self, device: torch.device, names: tuple[str, ...], statics: tuple[torch.Tensor, ...],
+                 arenas: tuple[torch.Tensor, ...], copies: tuple[Any, ...]) -> None:
         self.device = device
         self.names: tuple[str, ...] = names
         self.statics: tuple[torch.Tensor, ...] = statics

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from graphctl.errors import DeclarationError, did_you_mean
 from graphctl.state.spec import BufferDecl, CopyInPlace, ObjectDecl, StateSpec, Swap, is_draft_segment
@@ -46,12 +47,12 @@ class Plan:
     mutable: frozenset[str]
     phases: Mapping[str, PhasePlan]
 
-    def closure(self, names) -> tuple[str, ...]:
+    def closure(self, names: Iterable[str]) -> tuple[str, ...]:
         """Derived buffers depending (transitively) on any of ``names``, in dependency order."""
         return _closure(self.order, self.dependents, names)
 
 
-def _closure(order, dependents, names) -> tuple[str, ...]:
+def _closure(order: Sequence[str], dependents: Mapping[str, Any], names: Iterable[str]) -> tuple[str, ...]:
     hit: set[str] = set()
     for n in names:
         hit.update(dependents.get(n, ()))

@@ -163,7 +163,7 @@ class Report:
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), **kw)
 
-    def table(self):
+    def table(self) -> Any:
         from rich.table import Table
 
         t = Table(title=f"{self.function}: {self.backend} graphs on {self.device} (torch {self.torch})")

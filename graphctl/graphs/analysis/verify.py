@@ -105,7 +105,7 @@ def _like(example: torch.Tensor, rows: int, dim: int, gen: torch.Generator) -> t
     return v.to(example.dtype).to(example.device)
 
 
-def _first_difference(want: torch.Tensor, got: torch.Tensor, rtol: float, atol: float):
+def _first_difference(want: torch.Tensor, got: torch.Tensor, rtol: float, atol: float) -> tuple | None:
     if want.shape != got.shape:
         return (), tuple(want.shape), tuple(got.shape)
     if want.dtype.is_floating_point:

@@ -26,6 +26,7 @@ import torch
 
 from graphctl import bindings
 from graphctl.errors import CaptureError, RepointError
+from graphctl.graphs.analysis.nodes import Node, Region
 from graphctl.graphs.backends.cuda_nodes import (
     allocator_regions,
     apply_patches,
@@ -97,11 +98,11 @@ class CudaGraph:
         self.node_count = len(order) if order else -1
         self._pool, self._device = pool, device
 
-    def nodes(self):
+    def nodes(self) -> list[Node]:
         """Every node, in capture order, with its kernel name and the addresses in its arguments."""
         return read_cuda_nodes(self.order)
 
-    def memory_regions(self):
+    def memory_regions(self) -> list[Region]:
         """The caching allocator's memory on this graph's device, classified: this graph's pool,
         live blocks and freed blocks outside it (see :mod:`graphctl.graphs.analysis.audit`)."""
         return allocator_regions(self._device, self._pool)
@@ -204,10 +205,10 @@ class PiecewiseGraph:
                                  else f"the launch of piece {i}")
                 raise
 
-    def nodes(self):
+    def nodes(self) -> list[Node]:
         return read_cuda_nodes(self.order)
 
-    def memory_regions(self):
+    def memory_regions(self) -> list[Region]:
         return self.parts[0].memory_regions()
 
     def dot(self, path: str) -> None:

@@ -45,12 +45,12 @@ def capturing_nodes(stream: torch.cuda.Stream) -> list[int] | None:
     return graph_nodes(int(graph))
 
 
-def _ok(r) -> tuple[bool, tuple]:
+def _ok(r: Any) -> tuple[bool, tuple]:
     err, *out = r
     return int(err) == 0, tuple(out)
 
 
-def _int(v) -> int:
+def _int(v: Any) -> int:
     try:
         return int(v)
     except TypeError:  # pointer wrappers without __int__
@@ -73,7 +73,7 @@ def _words(data: bytes, where: str, exact: bool) -> list[Ref]:
             for off, v in _candidates(data)]
 
 
-def _kernel(drv, node, index: int) -> Node:
+def _kernel(drv: Any, node: Any, index: int) -> Node:
     ok, out = _ok(drv.cuGraphKernelNodeGetParams(node))
     if not ok:
         return Node(index, "kernel", "?", note="cuGraphKernelNodeGetParams failed")
@@ -123,7 +123,7 @@ def _kernel(drv, node, index: int) -> Node:
                 library=(bool(extra) and not kp) or is_library_kernel(short), refs=tuple(refs), note=note)
 
 
-def _memcpy(drv, node, index: int) -> Node:
+def _memcpy(drv: Any, node: Any, index: int) -> Node:
     ok, out = _ok(drv.cuGraphMemcpyNodeGetParams(node))
     if not ok:
         return Node(index, "memcpy", "memcpy", note="cuGraphMemcpyNodeGetParams failed")
@@ -142,7 +142,7 @@ def _memcpy(drv, node, index: int) -> Node:
                 refs=(Ref(src, "read", "src", nbytes), Ref(dst, "write", "dst", nbytes)))
 
 
-def _memset(drv, node, index: int) -> Node:
+def _memset(drv: Any, node: Any, index: int) -> Node:
     ok, out = _ok(drv.cuGraphMemsetNodeGetParams(node))
     if not ok:
         return Node(index, "memset", "memset", note="cuGraphMemsetNodeGetParams failed")
@@ -152,7 +152,7 @@ def _memset(drv, node, index: int) -> Node:
                 refs=(Ref(_int(p.dst), "write", "dst", nbytes),))
 
 
-def _kind(drv, node) -> str:
+def _kind(drv: Any, node: Any) -> str:
     ok, out = _ok(drv.cuGraphNodeGetType(node))
     if not ok:
         return "?"
@@ -172,7 +172,7 @@ def register_bodies(node: int, graphs: Sequence[int]) -> None:
     _BODIES[int(node)] = tuple(int(g) for g in graphs)
 
 
-def _bodies(drv, node, h: int, kind: str) -> tuple[list[int], str]:
+def _bodies(drv: Any, node: Any, h: int, kind: str) -> tuple[list[int], str]:
     if kind == "graph":
         ok, out = _ok(drv.cuGraphChildGraphNodeGetGraph(node))
         return ([_int(out[0])], "") if ok else ([], "child graph not readable")
@@ -230,7 +230,7 @@ def _moved(address: int, nbytes: int, lookup: Callable[[int], int | None]) -> in
     return first - address
 
 
-def _copy_patch(drv, node, kind: str, lookup: Callable[[int], int | None]) -> tuple[Any, str] | None:
+def _copy_patch(drv: Any, node: Any, kind: str, lookup: Callable[[int], int | None]) -> tuple[Any, str] | None:
     """The memcpy or memset node's parameters with moved device addresses rewritten; None when
     none moved; ``(None, why)`` when one cannot be rewritten (host memory, a partial overlap)."""
     if kind == "memset":

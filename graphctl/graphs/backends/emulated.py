@@ -85,7 +85,7 @@ class _Op:
 
     region = None  # a recorded op; _Region holds an eager region
 
-    def __init__(self, func, args, kwargs, fresh) -> None:
+    def __init__(self, func: Any, args: tuple, kwargs: dict, fresh: tuple) -> None:
         self.func, self.args, self.kwargs, self.fresh, self.name = func, args, kwargs, fresh, func._schema.name
         # collectives (c10d ops) return a Work handle that the Python wrapper waits on; a replay
         # runs the op itself, so it must wait too
@@ -124,7 +124,7 @@ class _Recorder(TorchDispatchMode):
             return out
         return handler
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         why = _illegal(func, args, out)

@@ -71,7 +71,7 @@ class BucketGraph:
                  "checked", "capture_ms", "replays", "eager_runs", "replay_us", "eager_us", "_sliced", "bucket",
                  "last_where", "_held", "_sets", "_calls", "spans", "_state", "_window", "_device")
 
-    def __init__(self, graph, out, bucket: int, manifest: dict[str, int], segments: tuple[Segment, ...],
+    def __init__(self, graph: Any, out: Any, bucket: int, manifest: dict[str, int], segments: tuple[Segment, ...],
                  capture_ms: float, per_items: frozenset[int], spans: tuple[Span, ...] = (),
                  device: str | None = None) -> None:
         self.graph = graph

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,7 +51,7 @@ class _BodyGuard(TorchDispatchMode):
     numbers (the Philox offset would be the same every iteration; torch refuses RNG in
     conditional nodes) and host reads of device values."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if torch.Tag.nondeterministic_seeded in func.tags:
             raise CaptureError("random numbers inside a device-loop body", expected="no RNG in the loop body",
                                found=func.name(), fix="draw the random numbers before the loop into a buffer the "
@@ -62,7 +63,7 @@ class _BodyGuard(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _check_body(rt, body_graph) -> None:
+def _check_body(rt: Any, body_graph: Any) -> None:
     for node in graph_nodes(int(body_graph)) or []:
         err, kind = rt.cudaGraphNodeGetType(node)
         why = _FORBIDDEN.get(kind.name) if int(err) == 0 else None
@@ -77,7 +78,7 @@ _NEEDS = ("the device loop needs CUDA 12.4+ and a driver with conditional nodes;
           "(conditional_nodes), or use mode='unrolled'")
 
 
-def _check(r, what: str, fix: str = _NEEDS):
+def _check(r: Any, what: str, fix: str = _NEEDS) -> Any:
     err, *out = r
     if int(err) != 0:
         raise CaptureError(f"{what} failed while splicing a WHILE node", expected="cudaSuccess", found=str(err),

@@ -115,7 +115,7 @@ class OpStream(TorchDispatchMode):
         self.lean = lean
         self.writers = [w for w in self.watchers if w.lean]
 
-    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if self.lean:
             if self.writers:

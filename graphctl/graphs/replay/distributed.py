@@ -34,7 +34,7 @@ from graphctl.errors import SwitchError
 __all__ = ["Agreement", "agreed_switch"]
 
 
-def _dist():
+def _dist() -> Any:
     import torch.distributed as dist
 
     return dist
