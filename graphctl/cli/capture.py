@@ -7,23 +7,28 @@ served under ``--hard-fail-on-fallback``; 2 bad options or a TARGET that cannot 
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import inspect
 import json
 import os
-import platform
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 import graphctl
+from graphctl.cli import render
 from graphctl.cli.target import load_target
 from graphctl.errors import CaptureError, GraphctlError, did_you_mean
+from graphctl.graphs.analysis.audit import Audit
+from graphctl.graphs.analysis.report import Report
+from graphctl.graphs.analysis.verify import VerifyResult
 from graphctl.graphs.face import Key
+from graphctl.graphs.target import CaptureTarget
 
 __all__ = ["run_capture", "derive_buckets", "coverage_rows", "SCHEMA"]
 
@@ -60,120 +65,6 @@ def coverage_rows(served: dict[int, str], per_item: int, variant: str = "") -> l
         r["padding"] = 1 - r["lo"] / bucket if bucket else None
         r["variant"] = variant
     return rows
-
-
-def _device_header(backend: str) -> dict[str, Any]:
-    from graphctl.cli.info import gpus
-
-    head: dict[str, Any] = {"graphctl": graphctl.__version__, "python": platform.python_version(),
-                            "torch": torch.__version__, "torch_cuda": torch.version.cuda, "backend": backend}
-    g = gpus()
-    if torch.cuda.is_available() and isinstance(g, list) and g:
-        idx = torch.cuda.current_device()
-        head["device"] = g[idx] if idx < len(g) else g[0]
-    else:
-        head["device"] = {"name": "no CUDA device: emulated graphs on the CPU",
-                          "detail": g if isinstance(g, str) else "torch.cuda.is_available() is False"}
-    return head
-
-
-def _header_text(head: dict[str, Any]) -> str:
-    d = head["device"]
-    if "compute_capability" in d:
-        dev = (f"{d['name']} (sm {d['compute_capability']}, {d['memory_gib']} GiB, SM clock {d.get('sm_clock_now_mhz')}"
-               f"/{d['sm_clock_mhz']} MHz, driver {d['driver']})")
-    else:
-        dev = f"{d['name']} ({d['detail']})"
-    return (f"device: {dev}\ntorch {head['torch']} (CUDA {head['torch_cuda']}), python {head['python']}, "
-            f"graphctl {head['graphctl']}, backend {head['backend']}")
-
-
-def _table(name: str, report, verify: dict[tuple[str, int], list], audits: dict[tuple[str, int], Any],
-           per_item: dict[str, int]):
-    from rich.table import Table
-
-    t = Table(title=f"{name}: {report.backend} graphs")
-    variants = any(b.variant for b in report.buckets)
-    if variants:
-        t.add_column("variant", no_wrap=True)
-    for col in ("bucket", "tokens", "capture ms", "pool MiB", "nodes", "replay us", "eager us", "speedup", "verify",
-                "audit"):
-        t.add_column(col, justify="right")
-    for b in report.buckets:
-        speed = f"{b.eager_us / b.replay_us:.2f}x" if b.replay_us and b.eager_us else "-"
-        vs = verify.get((b.variant, b.bucket))
-        v = "-" if vs is None else ("ok" if all(r.ok for r in vs) else "[red]MISMATCH")
-        a = audits.get(Key(b.variant, b.bucket))
-        au = "-" if a is None else (f"[red]{len(a.errors)} err[/] {len(a.warnings)} warn" if a.errors else
-                                    f"[yellow]{len(a.possible)} possible[/]" if a.possible else
-                                    "clean" if not a.warnings else f"{len(a.warnings)} warn")
-        t.add_row(*((b.variant,) if variants else ()), str(b.bucket), str(b.bucket * per_item[b.variant]),
-                  f"{b.capture_ms:.1f}", f"{b.pool_bytes / 2**20:.2f}",
-                  str(b.nodes), _num(b.replay_us), _num(b.eager_us), speed, v, au)
-    return t
-
-
-def _coverage_table(rows: list[dict[str, Any]]):
-    from rich.markup import escape
-    from rich.table import Table
-
-    t = Table(title="coverage: which batch sizes each bucket serves")
-    variants = any(r["variant"] for r in rows)
-    for col in (("variant",) if variants else ()) + ("batch", "served by", "tokens", "worst padding"):
-        t.add_column(col, justify="right")
-    for r in rows:
-        pad = "-" if r["padding"] is None else f"{100 * r['padding']:.0f}%"
-        how = r["served_by"] if r["served_by"].startswith("bucket") else f"[red]{escape(r['served_by'])}"
-        tokens = "-" if r["tokens"] is None else str(r["tokens"])
-        t.add_row(*((r["variant"],) if variants else ()), r["batch"], how, tokens, pad)
-    return t
-
-
-def _num(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"
-
-
-def _dot_of_nodes(nodes, segments) -> str:
-    """A DOT chain of an emulated graph's ops, one cluster per segment (CUDA graphs use
-    ``cudaGraphDebugDotPrint`` instead)."""
-    lines = ["digraph graphctl {", "  rankdir=TB; node [shape=box, fontsize=10];"]
-    for s in segments:
-        lines.append(f'  subgraph "cluster_{s.name}" {{ label="{s.name}";')
-        lines += [f'    n{i} [label="{i}: {nodes[i].name}"];' for i in range(s.start, min(s.end, len(nodes)))]
-        lines.append("  }")
-    lines += [f"  n{i} -> n{i + 1};" for i in range(len(nodes) - 1)]
-    return "\n".join(lines + ["}"]) + "\n"
-
-
-def _plot(path: str, report) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    bs = [b.bucket for b in report.buckets]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    if any(b.replay_us for b in report.buckets):
-        ax1.plot(bs, [b.replay_us or float("nan") for b in report.buckets], "o-", label="graph replay")
-        ax1.plot(bs, [b.eager_us or float("nan") for b in report.buckets], "s--", label="eager")
-        ax1.set(xscale="log", yscale="log", xlabel="bucket (batch items)", ylabel="median latency (us)",
-                title="latency per bucket")
-        ax1.set_xticks(bs, [str(b) for b in bs])
-        # plain numbers on the log latency axis: matplotlib's minor labels read "3x10^0" within one decade
-        plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
-        ax1.yaxis.set_major_formatter(plain)
-        ax1.yaxis.set_minor_formatter(plain)
-        ax1.legend()
-    else:
-        ax1.set(title="latency per bucket", xticks=[], yticks=[])
-        ax1.text(0.5, 0.5, "not timed\n(graphctl capture --time)", ha="center", va="center")
-    ax2.bar([str(b) for b in bs], [b.pool_bytes / 2**20 for b in report.buckets])
-    ax2.set(xlabel="bucket (batch items)", ylabel="MiB", title="pool memory added by each capture")
-    fig.suptitle(f"{report.function} ({report.backend}, {report.device})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _unwritable(args) -> str | None:
@@ -230,7 +121,6 @@ def _stage(name: str, rc: int) -> Iterator[None]:
 
 def run_capture(args) -> int:
     from rich.console import Console
-    from rich.markup import escape
 
     con = Console(width=max(100, Console().width), soft_wrap=True)  # findings stay on one line: grep-able
     try:
@@ -273,147 +163,221 @@ def _check_options(args) -> None:
                            "to a config JSON")
 
 
-def _run(con, args) -> int:
-    from rich.markup import escape
+@dataclasses.dataclass
+class Run:
+    """What ``graphctl capture``'s stages make, in order: each stage reads the fields the ones
+    before it filled and fills its own (``_run`` lists them)."""
 
+    args: argparse.Namespace
+    con: Any  # the rich Console
+    use_cuda: bool
+    max_batch: int  # the example's items: every batch size up to it must be served
+    buckets: list[int]
+    name: str = ""
+    head: dict[str, Any] = dataclasses.field(default_factory=dict)
+    target: CaptureTarget | None = None
+    runner: Any = None  # a GraphRunner or a VariantRunner: one face (graphs/face.py)
+    timed: bool = False
+    verify: dict[tuple[str, int], list[VerifyResult]] = dataclasses.field(default_factory=dict)
+    audits: dict[Key, Audit] = dataclasses.field(default_factory=dict)
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # coverage, a row per served range
+    report: Report | None = None
+    rc: int = 0
+
+    @property
+    def units(self) -> list[tuple[str, Any]]:  # (variant label, unit runner); a plain runner's one is unlabelled
+        return [(u.label, u.runner) for u in self.runner.units()]
+
+
+def escape(text: str) -> str:
+    """rich's markup escape, imported when a command prints (``graphctl --help`` loads no rich)."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
+def _plan(con: Any, args: argparse.Namespace) -> Run:
     _check_options(args)
-    backend = args.backend
-    use_cuda = backend == "cuda" or (backend == "auto" and torch.cuda.is_available())
-    device = "cuda" if use_cuda else "cpu"
-    # The factory's example holds max_batch items: every batch size up to it must be served.
+    use_cuda = args.backend == "cuda" or (args.backend == "auto" and torch.cuda.is_available())
     max_batch = args.max_batch or (max(args.buckets) if args.buckets else 64)
-    buckets = args.buckets or derive_buckets(max_batch)
+    return Run(args, con, use_cuda, max_batch, args.buckets or derive_buckets(max_batch))
+
+
+def _load(run: Run) -> None:
+    args = run.args
     spec, extra = ((HF_TARGET, {"hf_config": args.hf_config, "compile": args.compile}) if args.hf_config
                    else (args.target or BUILTIN, {}))
+    ks = sorted(set(args.draft_len))  # several: the factory's variants, one runner (draft_lens=)
     with _stage("loading the target", 2):
         try:
-            ks = sorted(set(args.draft_len))  # several: the factory's variants, one runner (draft_lens=)
             if len(ks) > 1:
                 extra["draft_lens"] = tuple(ks)
-            target = load_target(spec, device=device, max_batch=max_batch, draft_len=ks[-1], **extra)
+            run.target = load_target(spec, device="cuda" if run.use_cuda else "cpu", max_batch=run.max_batch,
+                                     draft_len=ks[-1], **extra)
         except GraphctlError as exc:
             raise _Stop(2, " ".join(str(exc).split())) from None
-    if len(ks) > 1 and not target.variants:
+    if len(ks) > 1 and not run.target.variants:
         raise _Stop(2, f"--draft-len {' '.join(map(str, ks))}: the target returned no variants (CaptureTarget."
                        "variants={'k': draft_lens}); give one --draft-len, or make its factory use draft_lens")
-    name = target.name or args.target or BUILTIN
-    head = _device_header("cuda" if use_cuda else "emulated")
-    con.print(_header_text(head))
-    con.print(escape(f"target: {name}; buckets {buckets}"))
+    run.name = run.target.name or args.target or BUILTIN
+    run.head = render.device_header("cuda" if run.use_cuda else "emulated")
+    run.con.print(render.header_text(run.head))
+    run.con.print(escape(f"target: {run.name}; buckets {run.buckets}"))
+
+
+def _build(run: Run) -> None:
+    t = run.target
+    assert t is not None
     with _stage("setting up the runner (the target's state, inputs or params)", 2):
         try:
-            inspect.signature(target.forward).bind(*target.example)
+            inspect.signature(t.forward).bind(*t.example)
         except TypeError as exc:  # the example does not fit the forward: the target's fault, before any run
-            raise _Stop(2, f"the example does not fit {name}: {exc}; fix CaptureTarget.example") from None
+            raise _Stop(2, f"the example does not fit {run.name}: {exc}; fix CaptureTarget.example") from None
         except ValueError:  # no signature to check: the capture says
             pass
-        runner = graphctl.graphed(target.forward, buckets=buckets, state=target.state, inputs=target.inputs,
-                                  backend="cuda" if use_cuda else "emulated", fallback="eager",
-                                  params=target.params, progress=args.progress, variants=target.variants,
-                                  prepare=target.prepare)
+        run.runner = graphctl.graphed(t.forward, buckets=run.buckets, state=t.state, inputs=t.inputs,
+                                      backend="cuda" if run.use_cuda else "emulated", fallback="eager",
+                                      params=t.params, progress=run.args.progress, variants=t.variants,
+                                      prepare=t.prepare)
+
+
+def _capture(run: Run) -> None:
+    assert run.target is not None
     with _stage("capture", 1):
-        runner.capture_all(*target.example)
-    # every (variant, runner): a plain runner is the one unlabelled unit (graphs/face.py)
-    units = [(u.label, u.runner) for u in runner.units()]
+        run.runner.capture_all(*run.target.example)
+
+
+def _measure(run: Run) -> None:
     # emulated graphs re-run every op from Python: their timings mean nothing, so they cost nothing unless asked
-    timed = args.time if args.time is not None else use_cuda
-    if timed:
+    run.timed = run.args.time if run.args.time is not None else run.use_cuda
+    if run.timed:
         with _stage("timing replay against eager", 1):
-            runner.measure(iters=args.iters)
-    verify: dict[tuple[str, int], list] = {}
-    if args.verify:
+            run.runner.measure(iters=run.args.iters)
+
+
+def _verify(run: Run) -> None:
+    if run.args.verify:
         with _stage("verify", 1):
-            for r in runner.verify(gen=torch.Generator().manual_seed(args.seed)):
-                verify.setdefault((r.variant, r.bucket), []).append(r)
-    audits: dict[tuple[str, int], Any] = {}
-    if args.audit:
+            for r in run.runner.verify(gen=torch.Generator().manual_seed(run.args.seed)):
+                run.verify.setdefault((r.variant, r.bucket), []).append(r)
+
+
+def _audit(run: Run) -> None:
+    if run.args.audit:
         with _stage("audit", 1):
-            audits = dict(runner.audit(confirm=args.audit == "confirm"))
-    rows: list[dict[str, Any]] = []
+            run.audits = dict(run.runner.audit(confirm=run.args.audit == "confirm"))
+
+
+def _coverage(run: Run) -> None:
     with _stage("coverage", 1):
-        served = runner.coverage(range(1, max_batch + 1))
-        for label, r in units:
-            rows += coverage_rows({k.bucket: s for k, s in served.items() if k.variant == label}, r.inputs[0].per_item,
-                                  label)
-    report = runner.report()
-    con.print(_table(name, report, verify, audits, {label: r.inputs[0].per_item for label, r in units}))
-    if not use_cuda and timed:
+        served = run.runner.coverage(range(1, run.max_batch + 1))
+        for label, r in run.units:
+            run.rows += coverage_rows({k.bucket: s for k, s in served.items() if k.variant == label},
+                                      r.inputs[0].per_item, label)
+    run.report = run.runner.report()
+
+
+def _show(run: Run) -> None:
+    con, report = run.con, run.report
+    assert report is not None
+    con.print(render.table(run.name, report, run.verify, run.audits, {label: r.inputs[0].per_item
+                                                                    for label, r in run.units}))
+    if not run.use_cuda and run.timed:
         con.print("emulated graphs re-run every recorded op from Python: replay is not faster than eager here; "
                   "the timing columns mean something on CUDA")
-    elif not timed:
+    elif not run.timed:
         con.print("not timed: emulated graphs re-run every op from Python, so replay vs eager means nothing here "
                   "(--time times them anyway)")
     con.print("warmup ms (eager runs before each capture, device work included): " +
               ", ".join(f"{b.variant + ' ' if b.variant else ''}bucket {b.bucket} {b.warmup_ms:.1f}"
                         for b in report.buckets))
-    con.print(_coverage_table(rows))
+    con.print(render.coverage_table(run.rows))
     if report.compiled:
         con.print(escape(report.compile_summary))
         line = f"compiled frames run uncompiled: {report.uncompiled}"
         con.print(f"[red]{line}" if report.uncompiled else line)
     if report.bypassed:
         con.print(f"[yellow]the last {report.eager_streak} calls all ran eagerly: the graphs are bypassed")
-    for line in report.findings():  # hazards, reach left out, unreached reads, host changes, side effects
+    for line in report.findings():  # every finding record, a line each (graphs/findings/)
         con.print(escape(line))
-    for rs in verify.values():
+    for rs in run.verify.values():
         for r in rs:
             if not r.ok:
                 con.print(f"[red]verify: {escape(str(r))}")
             elif r.write is not None:  # a write that differs from eager: a padded lane, unless it is scratch
                 con.print(f"[yellow]verify: {escape(str(r))}")
-    for (label, _), a in audits.items():
-        at = f"{label} bucket {a.bucket}" if label else f"bucket {a.bucket}"
+    for key, a in run.audits.items():
         for f in a.findings:
-            line = escape(f"audit: {at}: {f}")
+            line = escape(f"audit: {key}: {f}")
             con.print({"error": f"[red]{line}", "possible": f"[yellow]{line}"}.get(f.severity, line))
         for f in a.dropped:
-            con.print(escape(f"audit: {at}: dropped {f}"))
-    possible = sum(len(a.possible) for a in audits.values())
+            con.print(escape(f"audit: {key}: dropped {f}"))
+    possible = sum(len(a.possible) for a in run.audits.values())
     if possible:
         con.print(f"[yellow]audit: {possible} possible findings: words inside struct parameters that point into freed "
                   "memory, not errors; --audit=confirm settles each by replaying with the block poisoned")
-    if args.audit == "confirm":
-        dropped = sum(len(a.dropped) for a in audits.values())
-        confirmed = sum(1 for a in audits.values() for f in a.errors if f.evidence.startswith("confirmed"))
+    if run.args.audit == "confirm":
+        dropped = sum(len(a.dropped) for a in run.audits.values())
+        confirmed = sum(1 for a in run.audits.values() for f in a.errors if f.evidence.startswith("confirmed"))
         con.print(f"audit confirm: {confirmed} confirmed, {dropped} dropped, {possible} undecided")
-    unserved = sorted({n for r in rows if not r["served_by"].startswith("bucket") for n in range(r["lo"], r["hi"] + 1)})
-    rc = 0
-    if any(not r.ok for rs in verify.values() for r in rs) or any(a.errors for a in audits.values()):
-        rc = 1
-    elif unserved and args.hard_fail_on_fallback:
-        con.print(f"[red]{escape(f'batch sizes no graph served: {unserved} (--hard-fail-on-fallback)')}")
-        rc = 3
-    elif report.uncompiled and args.hard_fail_on_fallback:
-        con.print("[red]compiled frames ran uncompiled in a capture (--hard-fail-on-fallback)")
-        rc = 3
+
+
+def _decide(run: Run) -> None:
+    assert run.report is not None
+    unserved = sorted({n for r in run.rows if not r["served_by"].startswith("bucket")
+                       for n in range(r["lo"], r["hi"] + 1)})
+    if any(not r.ok for rs in run.verify.values() for r in rs) or any(a.errors for a in run.audits.values()):
+        run.rc = 1
+    elif unserved and run.args.hard_fail_on_fallback:
+        run.con.print(f"[red]{escape(f'batch sizes no graph served: {unserved} (--hard-fail-on-fallback)')}")
+        run.rc = 3
+    elif run.report.uncompiled and run.args.hard_fail_on_fallback:
+        run.con.print("[red]compiled frames ran uncompiled in a capture (--hard-fail-on-fallback)")
+        run.rc = 3
+
+
+def _write(run: Run) -> None:
+    args, con, report = run.args, run.con, run.report
+    assert report is not None
     if args.dot:
         os.makedirs(args.dot, exist_ok=True)
         files = 0
-        for label, r in units:
+        for label, r in run.units:
             for b in r.captured:  # a variant's files are named by its values: k3_bucket_8.dot
                 stem = "".join(c for c in label if c.isalnum() or c in "_-,").replace(",", "_")
                 path = os.path.join(args.dot, f"{stem + '_' if stem else ''}bucket_{b}.dot")
-                if use_cuda:
+                if run.use_cuda:
                     r.dot(b, path)
                 else:
                     with open(path, "w") as fh:
-                        fh.write(_dot_of_nodes(r.nodes(b), r.segments(b)))
+                        fh.write(render.dot_of_nodes(r.nodes(b), r.segments(b)))
                 files += 1
         con.print(f"DOT: {files} files in {args.dot}")
     if args.plot:
-        _plot(args.plot, report)
+        render.plot(args.plot, report)
         con.print(f"plot: {args.plot}")
     if args.json:
-        doc = {"schema": SCHEMA, "header": head, "target": name,
-               "report": report.to_dict(),
-               "verify": [dataclasses.asdict(r) | {"ok": r.ok} for rs in verify.values() for r in rs],
-               "audit": {f"{label} {b}".strip(): a.to_dict() for (label, b), a in audits.items()},
-               "coverage": [{k: r[k] for k in ("batch", "served_by", "tokens", "padding", "variant")} for r in rows],
-               "exit_code": rc}
+        doc = {"schema": SCHEMA, "header": run.head, "target": run.name, "report": report.to_dict(),
+               "verify": [dataclasses.asdict(r) | {"ok": r.ok} for rs in run.verify.values() for r in rs],
+               "audit": {f"{label} {b}".strip(): a.to_dict() for (label, b), a in run.audits.items()},
+               "coverage": [{k: r[k] for k in ("batch", "served_by", "tokens", "padding", "variant")}
+                            for r in run.rows],
+               "exit_code": run.rc}
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=2, default=str)
         con.print(f"JSON: {args.json}")
+
+
+_STAGES: tuple[Callable[[Run], None], ...] = (_load, _build, _capture, _measure, _verify, _audit, _coverage, _show,
+                                              _decide, _write)
+
+
+def _run(con: Any, args: argparse.Namespace) -> int:
+    """The stages in order (``_STAGES``), over one :class:`Run`; the exit code the last one left."""
+    run = _plan(con, args)
+    for stage in _STAGES:
+        stage(run)
     con.print("result: " + {0: "clean", 1: "FAILED (verify mismatch or audit error)",
-                            3: "FAILED (eager fallback)"}[rc])
+                            3: "FAILED (eager fallback)"}[run.rc])
     sys.stdout.flush()
-    return rc
+    return run.rc
