@@ -28,6 +28,7 @@ from graphctl.errors import ConcurrentUseError, CorruptedStateError, NestedSwitc
 from graphctl.knobs import knobs
 from graphctl.state import paths, recorded, writes
 from graphctl.state.arena import allocate_arenas, make_groups
+from graphctl.state.binding import Binding
 from graphctl.state.interrupts import deferred, in_user_code
 from graphctl.state.native import native_step
 from graphctl.state.phase import capturing, check_given, resolve_phase
@@ -83,39 +84,34 @@ class BoundState:
     def __init__(self, obj: Any, plan: Plan, *, dims: Mapping[str, int] | None = None) -> None:
         self.obj = obj
         self.plan = plan
-        self.dims: dict[str, int] = dict(dims or {})
+        self.binding = b = Binding(obj, plan, dict(dims or {}))  # what binding produces (state/binding.py)
         self._active: Switch | None = None
         self._lock = threading.Lock()  # held by the switch (or write/pad) that owns the state
         self._owner: int | None = None  # thread id of that owner
         self._in_user: str | None = None  # the user callable graphctl is running, if any
         self._in_user_thread: int | None = None  # the thread running it: another thread's use is concurrent
-        self._expect: dict[str | None, tuple[tuple[str, Any], ...]] = {}
-        self._expect_split: dict[str | None, tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]] = {}
-        self._write_groups: dict[tuple[str | None, str], tuple[tuple[str, ...], list, list]] = {}
         self._poisoned: tuple[str, ...] | None = None
         self._fault_hook: FaultHook | None = None
         self._user_hook: Callable[[str], None] | None = None  # test seam: runs as a user callable starts
         self._hooked_native = False  # test seam: hooks fire around the native step instead of forcing Python steps
         self._observers: list[Callable[[str, str, str], None]] = []
         self.uses = 0  # switches, writes and pads so far (a runner tells whether an eager region used the state)
-        self._scratch: dict[str, torch.Tensor] = {}
         self._step_cache: dict[str, tuple[Step, ...]] = {}
         self._traced: TracedSwitch | None = None  # the switch a compiled function is in (state/traced.py)
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._objects: dict[str, Any] = {}
-        self._dim_source: dict[str, str] = {}
-        self.device = torch.device("cpu")
-        validate(self)
-        self._manifest = tuple(list(self._tensors.items()) + list(self._objects.items()))
-        self._index = {n: i for i, (n, _) in enumerate(self._manifest)}
-        self._aliases = bind_aliases(self)
-        self._arena = allocate_arenas(self.plan, self._tensors, self.device)
-        self._groups = {p: make_groups(self.plan, p, self._tensors, self._arena) for p in PHASES}
-        self._padded = tuple((n, d, self._tensors[n]) for n, d in plan.buffers.items()
-                             if d.axis is not None and d.derive is None and not d.stable)
+        validate(self)  # fills the binding's tensors, objects, dims and device, or raises BindError
+        b.manifest = tuple(list(b.tensors.items()) + list(b.objects.items()))
+        b.index = {n: i for i, (n, _) in enumerate(b.manifest)}
+        b.aliases = bind_aliases(self)
+        b.arena = allocate_arenas(plan, b.tensors, b.device)
+        b.groups = {p: make_groups(plan, p, b.tensors, b.arena) for p in PHASES}
+        b.padded = tuple((n, d, b.tensors[n]) for n, d in plan.buffers.items()
+                         if d.axis is not None and d.derive is None and not d.stable)
         # A fresh state is consistent: every derived buffer equals fn(inputs) from bind on.
         for name in plan.order:
             self._recompute(name)
+
+    device = property(lambda self: self.binding.device, doc="The device of the declared device buffers.")
+    dims = property(lambda self: self.binding.dims, doc="Shape symbol -> size, as bound.")
 
     # ------------------------------------------------------------------ copies, pickling
 
@@ -143,7 +139,7 @@ class BoundState:
         return self._poisoned
 
     active_switch = property(lambda self: self._active, doc="The switch open now (its role and phase), or None.")
-    bindings = property(lambda self: self._manifest, doc="((entry, tensor or object bound at bind time), ...).")
+    bindings = property(lambda self: self.binding.manifest, doc="((entry, tensor or object bound at bind time), ...).")
     in_user = property(lambda self: self._in_user, doc="The user callable graphctl runs now (its label), or None.")
 
     @property
@@ -153,13 +149,13 @@ class BoundState:
 
     def addresses(self) -> dict[str, int]:
         """The address manifest: every declared buffer's data pointer (twins included)."""
-        return {n: t.data_ptr() for n, t in self._tensors.items()}
+        return {n: t.data_ptr() for n, t in self.binding.tensors.items()}
 
     def live_addresses(self) -> dict[str, int | None]:
         """What the object's attributes point at now (``None`` where one is not a tensor); a
         graph captured against :meth:`addresses` reads stale memory wherever the two differ."""
         out: dict[str, int | None] = {}
-        for n in self._tensors:
+        for n in self.binding.tensors:
             v = paths.get(self.obj, n, None)
             out[n] = v.data_ptr() if isinstance(v, torch.Tensor) else None
         return out
@@ -178,15 +174,16 @@ class BoundState:
         return self.plan.phases[self._phase(phase)].snapshot
 
     def snapshot_bytes(self, phase: str) -> int:
-        return sum(self._tensors[n].numel() * self._tensors[n].element_size() for n in self.snapshot_names(phase))
+        ts = self.binding.tensors
+        return sum(ts[n].numel() * ts[n].element_size() for n in self.snapshot_names(phase))
 
     def arenas(self) -> dict[str, torch.Tensor]:
         """graphctl's snapshot slots, ``"family:name"``: memory a captured switch reads and writes."""
-        return {f"{fam}:{n}": t for (fam, n), t in self._arena.items()}
+        return {f"{fam}:{n}": t for (fam, n), t in self.binding.arena.items()}
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor bound to entry ``name`` at bind time (twins are entries too)."""
-        return self._tensors[name]
+        return self.binding.tensors[name]
 
     # ------------------------------------------------------------------------ use checks
 
@@ -366,7 +363,7 @@ class BoundState:
                 failures.append((f"observer {getattr(observe, '__qualname__', observe)}", err))
         if not failed and not failures and sw.before is not None:
             after = self._fingerprints(sw.phase)
-            for g, b, a in zip(self._groups[sw.phase], sw.before, after):
+            for g, b, a in zip(self.binding.groups[sw.phase], sw.before, after):
                 failures += [(f"verify({n})", RuntimeError("fingerprint changed"))
                              for n, x, y in zip(g.names, b, a) if x != y]
         return failures
@@ -447,4 +444,4 @@ class BoundState:
         recorded.recover(self, where, cause, partial, device_type)
 
     def _fingerprints(self, phase: str) -> list[list[int]]:
-        return [ops.fingerprint(g.statics).tolist() for g in self._groups[phase]]
+        return [ops.fingerprint(g.statics).tolist() for g in self.binding.groups[phase]]

@@ -3,9 +3,9 @@
 ``validate``, ``writes``, ``traced``, ``steps`` and ``native`` are functions over a bound state
 (they hold no state of their own). They take it as :class:`StateCore`, so every field and method
 they use is declared here with its type and checked by mypy, while ``bound.py`` keeps the one class
-(a concrete type here would close an import cycle: ``bound`` imports each of them). The fields
-are in two groups: what binding produced (a record, fixed after ``bind``) and what the state's
-ownership and policy keep (changing with every switch).
+(a concrete type here would close an import cycle: ``bound`` imports each of them). What binding
+produced is one record, ``binding`` (``state/binding.py``), fixed after ``bind``; the rest is what
+the state's ownership and policy keep (changing with every switch) and the methods they call.
 """
 from __future__ import annotations
 
@@ -16,15 +16,12 @@ from typing import Any, Protocol
 import torch
 
 from graphctl.errors import ConcurrentUseError, CorruptedStateError
-from graphctl.state.arena import Group
+from graphctl.state.binding import Aliases, Binding
 from graphctl.state.plan import Plan
-from graphctl.state.spec import BufferDecl, CopyInPlace
+from graphctl.state.spec import CopyInPlace
 from graphctl.state.transaction import Step, Switch
 
-__all__ = ["Aliases", "StateCore"]
-
-# per base buffer: (alias, view of the original, the same view of the twin or None)
-Aliases = dict[str, tuple[tuple[str, torch.Tensor, torch.Tensor | None], ...]]
+__all__ = ["Aliases", "StateCore"]  # Aliases: the binding's, named here for the helpers' annotations
 
 
 class StateCore(Protocol):
@@ -32,22 +29,11 @@ class StateCore(Protocol):
 
     obj: Any
     plan: Plan
-    dims: dict[str, int]
-    device: torch.device
-    # what binding produced
-    _tensors: dict[str, torch.Tensor]  # entry -> the tensor bound at bind time (twins too)
-    _objects: dict[str, Any]  # entry -> the object bound at bind time (Swap'd managers)
-    _dim_source: dict[str, str]  # shape symbol -> the entry that fixed it
-    _manifest: tuple[tuple[str, Any], ...]
-    _index: dict[str, int]
-    _aliases: Aliases
-    _arena: dict[tuple[str, str], torch.Tensor]  # (family, entry) -> snapshot slot
-    _groups: dict[str, tuple[Group, ...]]  # phase -> per-device copy groups
-    _padded: tuple[tuple[str, BufferDecl, torch.Tensor], ...]
-    _expect: dict[str | None, tuple[tuple[str, Any], ...]]
-    _expect_split: dict[str | None, tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]]  # plain, paths
-    _write_groups: dict[Any, Any]
-    _scratch: dict[str, torch.Tensor]
+    binding: Binding  # what binding produced (state/binding.py): read, never rebound
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dims(self) -> dict[str, int]: ...
     # ownership and policy
     _active: Switch | None
     _owner: int | None

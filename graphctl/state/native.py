@@ -55,7 +55,7 @@ def native_step(st: StateCore, phase: str) -> Step | None:
         return None
     obj, pp = st.obj, st.plan.phases[phase]
     groups, copy_names, copy_acts = [], [], []
-    for g in st._groups[phase]:
+    for g in st.binding.groups[phase]:
         copies = tuple((i, _getter(st, act), _UNCHECKED) for i, _, act in g.copies)
         groups.append((f"snapshot[{g.device}]({', '.join(g.names)})", list(g.statics), list(g.arenas),
                        list(g.statics), copies))
@@ -64,12 +64,12 @@ def native_step(st: StateCore, phase: str) -> Step | None:
 
     def bound(entry: str) -> Any:  # what the entry is bound to while the switch is in
         held = pp.resolve.get(entry, entry)
-        return st._tensors[held] if held in st._tensors else st._objects[held]
+        return st.binding.tensors[held] if held in st.binding.tensors else st.binding.objects[held]
 
     puts = []
     for name, _ in pp.swaps:
-        puts.append((_target(obj, name), bound(name), st._tensors.get(name, st._objects.get(name))))
-        puts += [(_target(obj, alias), tv, ov) for alias, ov, tv in st._aliases.get(name, ())]
+        puts.append((_target(obj, name), bound(name), st.binding.tensors.get(name, st.binding.objects.get(name))))
+        puts += [(_target(obj, alias), tv, ov) for alias, ov, tv in st.binding.aliases.get(name, ())]
     recomputes: list[tuple[Any, ...]] = []
     for n in pp.recompute:
         rc = st.plan.buffers[n].recompute

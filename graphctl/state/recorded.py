@@ -29,7 +29,7 @@ def recover(st: StateCore, where: str, cause: BaseException, partial: bool, devi
                            cause)]) from cause
     try:
         with deferred():  # all groups or a poisoned state, never an interrupt between two of them
-            for g in st._groups["capture"]:
+            for g in st.binding.groups["capture"]:
                 if device_type is None or g.device.type == device_type:
                     ops.copy_(list(g.statics), list(g.arenas), validate=False)
     except BaseException as err:

@@ -23,7 +23,7 @@ __all__ = ["python_steps", "rebind_step", "use_error"]
 
 def python_steps(st: StateCore, phase: str) -> tuple[Step, ...]:
     pp = st.plan.phases[phase]
-    return tuple([snapshot_step(st, g) for g in st._groups[phase]]
+    return tuple([snapshot_step(st, g) for g in st.binding.groups[phase]]
                  + [rebind_step(st, name, twin) for name, twin in pp.swaps]
                  + [recompute_step(st, n) for n in pp.recompute])
 
@@ -60,9 +60,9 @@ def snapshot_step(st: StateCore, g: Group) -> Step:
 
 def rebind_step(st: StateCore, name: str, twin: str) -> Step:
     obj = st.obj
-    original = st._tensors.get(name, st._objects.get(name))
-    twin_value = st._tensors.get(twin, st._objects.get(twin))
-    aliases = st._aliases.get(name, ())
+    original = st.binding.tensors.get(name, st.binding.objects.get(name))
+    twin_value = st.binding.tensors.get(twin, st.binding.objects.get(twin))
+    aliases = st.binding.aliases.get(name, ())
 
     def apply() -> None:
         paths.put(obj, name, twin_value)

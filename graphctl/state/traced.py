@@ -49,10 +49,10 @@ class TracedSwitch:
         if st._traced is not None:
             raise SwitchError("nested switch in a compiled function", expected="one switch at a time",
                               found=f"'{self.role}' inside '{st._traced.role}'", fix="exit the first switch first")
-        self.saved = [(st._tensors[n], st._tensors[n].clone()) for n in pp.snapshot]
+        self.saved = [(st.binding.tensors[n], st.binding.tensors[n].clone()) for n in pp.snapshot]
         st._traced = self
         for name, act in pp.copies:
-            st._tensors[name].copy_(st._source(act))
+            st.binding.tensors[name].copy_(st._source(act))
         self.rebinds = [rebind_step(st, name, twin) for name, twin in pp.swaps]  # the eager switch's own steps
         for step in self.rebinds:
             step.apply()
@@ -86,6 +86,6 @@ def traced_write(st: StateCore, name: str, value: torch.Tensor) -> None:
                         target.narrow(d.axis_dim, n - 1, 1) if n else None, d.axis_dim)
     resolve = sw.pp.resolve if sw is not None else {}
     held = resolve.get(name, name)
-    shared = [e for e in st._tensors if resolve.get(e, e) == held] or [name]
+    shared = [e for e in st.binding.tensors if resolve.get(e, e) == held] or [name]
     for dep in st.plan.closure(shared):
         st._recompute(dep)

@@ -76,22 +76,22 @@ def validate(st: StateCore) -> None:
             raise err(st, name, "host buffer is not on the CPU", "cpu", t.device, "drop host=True or move it")
         if not d.host:
             devices[name] = t.device
-        st._tensors[name] = t
+        st.binding.tensors[name] = t
     if devices:
         first, dev = next(iter(devices.items()))
         for name, other in devices.items():
             if other != dev:
                 raise err(st, name, "device buffers are on different devices", f"{dev} (as '{first}')", other,
                           "bind one state per device")
-        st.device = dev
+        st.binding.device = dev
     if st.device.type == "cuda":
         for name, d in plan.buffers.items():
-            t = st._tensors[name]
+            t = st.binding.tensors[name]
             if d.host and t.numel() and not t.is_pinned():  # an empty tensor never reports pinned
                 raise err(st, name, "host buffer is not pinned", "pinned memory", "pageable memory",
                           "allocate with pin_memory=True so copies are asynchronous")
     for name in plan.objects:
-        st._objects[name] = get(st, name)
+        st.binding.objects[name] = get(st, name)
     check_twins(st)
     check_overlaps(st)
     check_sources(st)
@@ -108,10 +108,10 @@ def check_shape(st: StateCore, name: str, d: BufferDecl, t: torch.Tensor) -> Non
                 raise err(st, name, "dimension differs from the declared shape", d.shape, tuple(t.shape),
                           "allocate it at the declared size")
             continue
-        want = st.dims.setdefault(sym, size)
-        st._dim_source.setdefault(sym, name)
+        want = st.binding.dims.setdefault(sym, size)
+        st.binding.dim_source.setdefault(sym, name)
         if want != size:
-            src = st._dim_source[sym]
+            src = st.binding.dim_source[sym]
             origin = f"dims={{'{sym}': {want}}}" if src == name else f"'{src}'"
             raise err(st, name, f"dimension '{sym}' disagrees with {origin}", f"{sym}={want}", f"{sym}={size}",
                       "allocate every buffer sharing a dimension name at one size")
@@ -119,12 +119,12 @@ def check_shape(st: StateCore, name: str, d: BufferDecl, t: torch.Tensor) -> Non
 
 def check_twins(st: StateCore) -> None:
     for name, twin in st.plan.phases["eager"].swaps:
-        if name in st._objects:
-            if st._objects[name] is st._objects[twin]:
+        if name in st.binding.objects:
+            if st.binding.objects[name] is st.binding.objects[twin]:
                 raise err(st, name, "Swap twin is the same object as the original", "a distinct draft object",
                           f"'{twin}' is the same object", "construct a separate draft object")
             continue
-        a, b = st._tensors[name], st._tensors[twin]
+        a, b = st.binding.tensors[name], st.binding.tensors[twin]
         if a.shape != b.shape or a.dtype != b.dtype:
             raise err(st, name, "Swap twin differs in shape or dtype", f"{tuple(a.shape)} {a.dtype}",
                       f"'{twin}' is {tuple(b.shape)} {b.dtype}",
@@ -133,7 +133,7 @@ def check_twins(st: StateCore) -> None:
 
 def check_overlaps(st: StateCore) -> None:
     spans = []
-    for name, t in st._tensors.items():
+    for name, t in st.binding.tensors.items():
         lo, hi = span(t)
         if hi > lo:
             spans.append((t.device, lo, hi, name))
@@ -170,7 +170,7 @@ def source_label(act: Any) -> str:
 
 
 def check_source(st: StateCore, name: str, src: Any, label: str, err: Callable[..., Exception]) -> None:
-    dst = st._tensors[name]
+    dst = st.binding.tensors[name]
     if not isinstance(src, torch.Tensor):
         raise err(name, f"CopyInPlace {label} is not a tensor", "torch.Tensor", type(src).__name__,
                   "return or name an existing tensor")
@@ -186,7 +186,7 @@ def bind_aliases(st: StateCore) -> dict[str, tuple[tuple[str, torch.Tensor, torc
     twins = dict(st.plan.phases["eager"].swaps)
     out = {}
     for name, d in st.plan.buffers.items():
-        base = st._tensors[name]
+        base = st.binding.tensors[name]
         lo, hi = span(base)
         rows = []
         for alias in d.aliases:
@@ -199,16 +199,16 @@ def bind_aliases(st: StateCore) -> dict[str, tuple[tuple[str, torch.Tensor, torc
                               f"bind it as a view, e.g. {alias} = {name}[:n]")
             twin_view = None
             if name in twins:
-                twin = st._tensors[twins[name]]
+                twin = st.binding.tensors[twins[name]]
                 off = v.storage_offset() - base.storage_offset()
                 twin_view = twin.as_strided(v.shape, v.stride(), twin.storage_offset() + off)
             rows.append((alias, v, twin_view))
         out[name] = tuple(rows)
     for name in twins:
-        if name not in st._tensors:
+        if name not in st.binding.tensors:
             continue
         declared = {a for a, _, _ in out[name]}
-        base = st._tensors[name]
+        base = st.binding.tensors[name]
         lo, hi = span(base)
         for attr, v in _instance_attrs(st.obj).items():
             if (attr == name or attr in declared or not isinstance(v, torch.Tensor) or v is base
@@ -225,22 +225,23 @@ def bind_aliases(st: StateCore) -> dict[str, tuple[tuple[str, torch.Tensor, torc
 def expected_bindings(st: StateCore, phase: str | None) -> tuple[tuple[str, Any], ...]:
     """What every declared attribute of ``st.obj`` must be in ``phase`` (None: outside a switch):
     the bind-time object, or its twin where the phase swaps it. Built once per phase."""
-    exp = st._expect.get(phase)
+    b = st.binding
+    exp = b.expect.get(phase)
     if exp is None:
         resolve = st.plan.phases[phase].resolve if phase is not None else {}
-        exp = st._expect[phase] = tuple(
-            (n, st._tensors[resolve.get(n, n)] if n in st._tensors else st._objects[resolve.get(n, n)])
-            for n, _ in st._manifest)
+        exp = b.expect[phase] = tuple(
+            (n, b.tensors[resolve.get(n, n)] if n in b.tensors else b.objects[resolve.get(n, n)])
+            for n, _ in st.binding.manifest)
     return exp
 
 
 def _split(st: StateCore, phase: str | None) -> tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]:
     """The expected bindings of ``phase`` as (plain names, paths): plain ones are checked in one C call."""
-    out = st._expect_split.get(phase)
+    out = st.binding.expect_split.get(phase)
     if out is None:
         hidden = _hidden(st, phase)
         exp = [p for p in expected_bindings(st, phase) if p[0] not in hidden]
-        out = st._expect_split[phase] = (tuple(p for p in exp if not paths.is_path(p[0])),
+        out = st.binding.expect_split[phase] = (tuple(p for p in exp if not paths.is_path(p[0])),
                                          tuple(p for p in exp if paths.is_path(p[0])))
     return out
 
@@ -277,8 +278,8 @@ def check_bindings(st: StateCore, entering: str | None = None) -> None:
             raise SwitchError("declared attribute was deleted", buffer=name, expected="the bound attribute",
                               found="no attribute", fix=f"do not del {type(obj).__qualname__}.{name}; set it "
                               "back to the bound tensor, or bind() the object again") from None
-        if name in twins and cur is (st._tensors.get(twins[name]) if name in st._tensors
-                                     else st._objects.get(twins[name])):
+        if name in twins and cur is (st.binding.tensors.get(twins[name]) if name in st.binding.tensors
+                                     else st.binding.objects.get(twins[name])):
             continue
         if cur is want:
             continue

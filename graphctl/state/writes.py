@@ -31,20 +31,20 @@ def write_group(st: StateCore, names: tuple[str, ...]) -> tuple[list[tuple[list,
     ``write`` slots (one fused copy each: a fused op never mixes host and device memory), and
     the ``Stable`` ones among them (never cloned, so a failed write cannot roll them back)."""
     key = (st._active.phase if st._active is not None else None, names)
-    g = st._write_groups.get(key)
+    g = st.binding.write_groups.get(key)
     if g is None:
         by_dev: dict[torch.device, tuple[list, list]] = {}
         stable = []
         for n in names:
             t = paths.get(st.obj, n)
-            held = next(e for e in st._tensors if st._tensors[e] is t)
+            held = next(e for e in st.binding.tensors if st.binding.tensors[e] is t)
             if not st.plan.buffers[held].switched:  # Stable scratch, Persistent state: never cloned
                 stable.append(n)
                 continue
             statics, slots = by_dev.setdefault(t.device, ([], []))
             statics.append(t)
-            slots.append(st._arena["write", held])
-        g = st._write_groups[key] = (list(by_dev.values()), tuple(stable))
+            slots.append(st.binding.arena["write", held])
+        g = st.binding.write_groups[key] = (list(by_dev.values()), tuple(stable))
     return g
 
 
@@ -79,7 +79,7 @@ def sharing(st: StateCore, name: str) -> tuple[str, ...]:
     if sw is None or not sw.resolve:
         return (name,)
     held = sw.resolve.get(name, name)
-    return tuple(e for e in st._tensors if sw.resolve.get(e, e) == held) or (name,)
+    return tuple(e for e in st.binding.tensors if sw.resolve.get(e, e) == held) or (name,)
 
 
 def write(st: StateCore, name: str, value: torch.Tensor) -> None:
@@ -123,7 +123,7 @@ def write_many(st: StateCore, values: Mapping[str, torch.Tensor]) -> None:
     expected = st._expected(sw.phase if sw is not None else None)
     targets = []
     for name, d, value in items:
-        target = expected[st._index[name]][1]
+        target = expected[st.binding.index[name]][1]
         check_value(st, name, d, target, value)
         targets.append(target)
     if _KNOBS["check_lengths"]:
@@ -221,7 +221,7 @@ def pad(st: StateCore, counts: Mapping[str, int], ends: Mapping[str, int] | None
                           found=f"active phase {st._active.phase}", fix="pad, then switch")
     st._check_bindings()
     work = []
-    for name, d, t in st._padded:
+    for name, d, t in st.binding.padded:
         if d.axis is not None and d.axis in counts:
             n = counts[d.axis]
             if not isinstance(n, int) or not 0 <= n <= t.shape[d.axis_dim]:
@@ -269,9 +269,9 @@ def first_stale(st: StateCore) -> StaleBufferError | None:
     """The first derived buffer that differs from ``fn(inputs)`` recomputed into scratch, as an error."""
     for name in st.plan.order:
         live = paths.get(st.obj, name)
-        scratch = st._scratch.get(name)
+        scratch = st.binding.scratch.get(name)
         if scratch is None or scratch.shape != live.shape or scratch.device != live.device:
-            scratch = st._scratch[name] = torch.empty_like(live)
+            scratch = st.binding.scratch[name] = torch.empty_like(live)
         st._recompute(name, out=scratch)
         a, b = live.reshape(-1).view(torch.uint8), scratch.reshape(-1).view(torch.uint8)
         if not torch.equal(a, b):

@@ -41,7 +41,7 @@ def _recompute_reads_unswapped_inputs():
     def recompute(self, name, out=None):
         rc = self.plan.buffers[name].derive
         target = getattr(self.obj, name) if out is None else out
-        inputs = [self._tensors.get(i, self._objects.get(i)) for i in rc.inputs]  # bind-time, not as bound now
+        inputs = [self.binding.tensors.get(i, self.binding.objects.get(i)) for i in rc.inputs]  # bind-time, not as bound now
         self._call_user(f"the Recompute fn of '{name}'", rc.fn, target, *inputs)
 
     return _patched(bound.BoundState, "_recompute", recompute)
@@ -100,7 +100,7 @@ def _native_undo_restores_no_contents():
         undo = step.undo
 
         def bad_undo():
-            switched = [(t, t.clone()) for g in st._groups[phase] for t in g.statics]
+            switched = [(t, t.clone()) for g in st.binding.groups[phase] for t in g.statics]
             undo()
             for t, v in switched:
                 t.copy_(v)
@@ -119,7 +119,7 @@ def _native_apply_skips_the_swaps():
         def bad_apply():
             apply()
             for name, _ in st.plan.phases[phase].swaps:
-                paths.put(st.obj, name, st._tensors.get(name, st._objects.get(name)))
+                paths.put(st.obj, name, st.binding.tensors.get(name, st.binding.objects.get(name)))
 
         step.apply = bad_apply
 

@@ -373,7 +373,7 @@ def test_interrupted_exit_is_restored_at_the_next_use(gen):
     leave_without_exit()
     assert st.active_phase is None  # recovered
     _assert_same(st, before)
-    assert m.kv_cache_manager is st._objects["kv_cache_manager"]
+    assert m.kv_cache_manager is st.binding.objects["kv_cache_manager"]
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -631,7 +631,7 @@ def test_a_ctrl_c_at_the_first_line_of_exit_is_restored_before_the_handler_runs(
                     st.write("seq_lens", torch.ones(5, dtype=torch.int32))
             except KeyboardInterrupt:
                 # what the user's handler reads, before any later use of the state
-                seen["manager"] = m.kv_cache_manager is st._objects["kv_cache_manager"]
+                seen["manager"] = m.kv_cache_manager is st.binding.objects["kv_cache_manager"]
                 seen["contents"] = all(torch.equal(getattr(m, n), t) for n, t in before.items())
                 raise
 

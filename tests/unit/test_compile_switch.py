@@ -90,4 +90,4 @@ def test_the_reference_engine_step_compiles_whole(device, gen):
     for mine, theirs in ((eng.meta.kv_cache_manager, ref.meta.kv_cache_manager),
                          (eng.meta.draft_kv_cache_manager, ref.meta.draft_kv_cache_manager)):
         assert all(torch.equal(a, b) for a, b in zip(mine.k + mine.v, theirs.k + theirs.v))
-    assert eng.meta.kv_cache_manager is eng.state._objects["kv_cache_manager"]
+    assert eng.meta.kv_cache_manager is eng.state.binding.objects["kv_cache_manager"]

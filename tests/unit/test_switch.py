@@ -173,7 +173,7 @@ def test_verify_restore_detects_tampering(meta, state):
     with graphctl.knobs.scope(verify_restore=True):
         with pytest.raises(CorruptedStateError, match="verify"):
             with state.switch("draft", "eager"):
-                state._arena["eager", "kv_lens"].add_(1)  # corrupt the snapshot itself
+                state.binding.arena["eager", "kv_lens"].add_(1)  # corrupt the snapshot itself
         assert state.poisoned is not None
 
 
