@@ -17,7 +17,7 @@ from graphctl.errors import (
                              StaleBufferError,
                              SwitchError,
 )
-from graphctl.graphs import CaptureTarget, GraphRunner, Report, StaticInput, VariantRunner, eager, graphed
+from graphctl.graphs import CaptureTarget, GraphRunner, Key, Report, StaticInput, VariantRunner, eager, graphed
 from graphctl.state import (
                              BoundState,
                              CopyInPlace,
@@ -40,7 +40,7 @@ __all__ = [
     "Swap", "CopyInPlace", "Recompute", "OpCall", "Stable", "Persistent", "Pad",
     "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError", "ConcurrentUseError",
     "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
-    "RepointError", "OutputsHeldWarning", "graphed", "GraphRunner", "VariantRunner", "StaticInput", "Report",
+    "RepointError", "OutputsHeldWarning", "graphed", "GraphRunner", "VariantRunner", "StaticInput", "Report", "Key",
     "CaptureTarget", "eager",
     "knobs", "ops", "__version__",
 ]

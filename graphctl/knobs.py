@@ -111,7 +111,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("check_paths", "GRAPHCTL_CHECK_PATHS", _parse_bool, True, "runtime",
          "Before every replay, re-resolve the paths (an argument's attribute, `self.…`, a closure cell, a named "
          "global) to the tensors the capture read or wrote that graphctl does not own, and raise `ReplayError` "
-         "naming one that was rebound. Model parameters are not checked. 0 turns it off."),
+         "naming one that was rebound: metadata, weights (`lin.weight = ...`, `.data = ...`), a replaced module, "
+         "and every declared entry of the bound state (tensors by address, objects such as generators by identity). "
+         "0 turns it off."),
     Knob("check_outputs", "GRAPHCTL_CHECK_OUTPUTS", _parse_bool, False, "runtime",
          "Return outputs as views that raise `ReplayError` when read after a later call of the same bucket "
          "overwrote them, naming both calls' lines. Debug only: every torch op on an output pays a Python check."),

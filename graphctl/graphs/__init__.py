@@ -10,11 +10,12 @@ from graphctl.graphs.backends import BACKENDS, GraphBackend, select_backend, uns
 from graphctl.graphs.capture.inputs import DEFAULT_BUCKETS, Buckets, StaticInput
 from graphctl.graphs.capture.pieces import EagerRegion, eager
 from graphctl.graphs.decorator import graphed
+from graphctl.graphs.face import Key
 from graphctl.graphs.runner import GraphRunner
 from graphctl.graphs.target import CaptureTarget
 from graphctl.graphs.variants import Variant, VariantRunner
 
 __all__ = ["Audit", "Finding", "audit_graph", "Node", "Ref", "Region", "BACKENDS", "DEFAULT_BUCKETS", "SCHEMA",
-           "BucketReport", "Buckets", "CaptureTarget", "GraphBackend", "GraphRunner", "Report", "Segment",
+           "BucketReport", "Buckets", "CaptureTarget", "GraphBackend", "GraphRunner", "Key", "Report", "Segment",
            "StaticInput", "EagerRegion", "eager", "Mismatch", "Variant", "VariantRunner", "VerifyResult", "graphed",
            "select_backend", "unsupported_reasons"]

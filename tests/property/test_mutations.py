@@ -41,7 +41,8 @@ def _recompute_reads_unswapped_inputs():
     def recompute(self, name, out=None):
         rc = self.plan.buffers[name].derive
         target = getattr(self.obj, name) if out is None else out
-        inputs = [self.binding.tensors.get(i, self.binding.objects.get(i)) for i in rc.inputs]  # bind-time, not as bound now
+        # bind-time, not as bound now
+        inputs = [self.binding.tensors.get(i, self.binding.objects.get(i)) for i in rc.inputs]
         self._call_user(f"the Recompute fn of '{name}'", rc.fn, target, *inputs)
 
     return _patched(bound.BoundState, "_recompute", recompute)

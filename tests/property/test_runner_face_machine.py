@@ -67,7 +67,8 @@ def test_a_variant_runner_answers_as_its_plain_runners_do(ops, seed):
             torch.testing.assert_close(vr(x, k).clone(), plain[k](x).clone())
             calls += 1
         elif op[0] == "verify":
-            got = {(r.variant, r.bucket, r.n <= r.bucket, r.ok) for r in vr.verify(gen=torch.Generator().manual_seed(1))}
+            got = {(r.variant, r.bucket, r.n <= r.bucket, r.ok)
+                   for r in vr.verify(gen=torch.Generator().manual_seed(1))}
             want = {(f"k={k}", r.bucket, r.n <= r.bucket, r.ok) for k, p in plain.items()
                     for r in p.verify(gen=torch.Generator().manual_seed(1))}
             assert got == want
