@@ -222,7 +222,7 @@ def main() -> int:
             want = forward(x)
             assert torch.allclose(hand(x), want, atol=1e-4) and torch.allclose(graphed(x), want, atol=1e-4), (n, b)
         for b in buckets if dev.type == "cpu" else ():  # host cost only (module docstring)
-            hand.graphs[b].replay = graphed.record(b).graph.replay = lambda: None
+            hand.graphs[b].replay = graphed.record(b).graph.replay = lambda hooks=None: None
         for x, (n, b) in zip(xs, CASES):
             t = per_call_us({"eager": forward, "hand": hand, "graphctl": graphed}, x, a.reps, a.calls)
             eager, hw, gc_ = t["eager"], t["hand"], t["graphctl"]
