@@ -61,18 +61,19 @@ TORCH_LIBRARY_IMPL(graphctl, Meta, m) {
 namespace graphctl {
 int add_switch_table(PyObject* module);  // switch_table.cpp
 int add_path_check(PyObject* module);    // path_check.cpp
+int add_handouts(PyObject* module);      // handouts.cpp
 }  // namespace graphctl
 
 // Importing graphctl._C registers the ops above (static initializers); the module itself only
 // reports whether CUDA kernels were compiled in, and holds SwitchTable (switch_table.cpp, the one
-// file that uses pybind11) and paths_hold (path_check.cpp).
+// file that uses pybind11), paths_hold (path_check.cpp) and handed_held (handouts.cpp).
 static struct PyModuleDef graphctl_module = {PyModuleDef_HEAD_INIT, "_C", "graphctl ops (see graphctl.ops)", -1,
                                              nullptr};
 
 PyMODINIT_FUNC PyInit__C(void) {
   PyObject* m = PyModule_Create(&graphctl_module);
   if (m == nullptr) return nullptr;
-  if (graphctl::add_switch_table(m) != 0 || graphctl::add_path_check(m) != 0) {
+  if (graphctl::add_switch_table(m) != 0 || graphctl::add_path_check(m) != 0 || graphctl::add_handouts(m) != 0) {
     Py_DECREF(m);
     return nullptr;
   }

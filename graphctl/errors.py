@@ -137,7 +137,6 @@ class RepointError(ReplayError):
 
 
 class OutputsHeldWarning(UserWarning):
-    """A caller still holds what a graphed call returned two calls ago (or keeps gathering views
-    of its outputs): those tensors are the graph's static outputs, and every later replay of the
-    bucket has overwritten them. Warned once per runner; ``GRAPHCTL_CHECK_OUTPUTS=1`` raises at
-    the exact read instead, ``copy_outputs=True`` returns fresh tensors."""
+    """Kept for code that filters it; graphctl no longer warns with it. An output read after a
+    later replay of its bucket overwrote it now raises ``RuntimeError`` at the read, by default
+    (``graphs/replay/stale.py``)."""

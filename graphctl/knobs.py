@@ -115,8 +115,9 @@ KNOBS: tuple[Knob, ...] = (
          "and every declared entry of the bound state (tensors by address, objects such as generators by identity). "
          "0 turns it off."),
     Knob("check_outputs", "GRAPHCTL_CHECK_OUTPUTS", _parse_bool, False, "runtime",
-         "Return outputs as views that raise `ReplayError` when read after a later call of the same bucket "
-         "overwrote them, naming both calls' lines. Debug only: every torch op on an output pays a Python check."),
+         "Return outputs as views that raise `ReplayError` (not the default check's `RuntimeError`) when read "
+         "after a later call of the same bucket overwrote them, naming both calls' lines. Debug only: every torch "
+         "op on an output pays a Python check."),
     Knob("bypass_window", "GRAPHCTL_BYPASS_WINDOW", int, 64, "runtime",
          "A runner with graphs whose last this-many calls all ran eagerly logs one warning (and `report()` says "
          "`bypassed`): captured graphs that serve nothing are a silent slowdown. 0 turns the warning off."),

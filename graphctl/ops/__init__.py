@@ -8,8 +8,9 @@ call, on one device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from graphctl.ops import reference
 from graphctl.ops._load import STATUS, ExtensionStatus
 
 __all__ = ["swap_through_", "copy_", "fingerprint", "token_to_request_", "loop_condition_", "switch_table", "all_bound",
-           "paths_hold", "tensors_hold",
+           "paths_hold", "tensors_hold", "handed_checks", "caller", "caller_fn",
            "RECOMPUTE_OPS", "OpArg",
            "extension_status",
            "uses_extension", "reference"]
@@ -152,6 +153,31 @@ def tensors_hold(refs: tuple, ptrs: tuple) -> bool:
         if t is None or t.data_ptr() != ptr:
             return False
     return True
+
+
+def handed_checks() -> tuple[Callable[[tuple], tuple[int, ...]], Callable[[tuple, tuple, tuple, int], bool]]:
+    """``(counts, held)`` for ``graphctl.graphs.replay.stale``'s handed-out outputs: ``graphctl._C``'s
+    ``handed_counts`` and ``handed_held`` (one C call each, on every call of a graphed function), or
+    their Python reference. Taken once by each bucket, so a set's baseline and its checks count alike."""
+    if _C is not None and uses_extension():
+        return _C.handed_counts, _C.handed_held
+    return reference.handed_counts, reference.handed_held
+
+
+def caller(prefixes: tuple[str, ...], parts: tuple[str, ...], walk: Callable[[], Any]) -> Any:
+    """The innermost Python frame whose file neither starts with one of ``prefixes`` nor contains
+    one of ``parts``, as ``(code object, line)`` (``(None, 0)`` if none), in one C call; ``walk()``
+    (``graphctl.graphs.findings.frames``' Python walk, its reference) without the extension."""
+    if _C is not None and uses_extension():
+        return _C.caller(prefixes, parts)
+    return walk()
+
+
+def caller_fn(prefixes: tuple[str, ...], parts: tuple[str, ...], walk: Callable[[], Any]) -> Callable[[], Any]:
+    """:func:`caller` as a callable taken once (no Python frame of its own on a hot path)."""
+    if _C is not None and uses_extension():
+        return functools.partial(_C.caller, prefixes, parts)
+    return walk
 
 
 def paths_hold(program: tuple, args: tuple, kwargs: dict, walk: Any) -> bool:

@@ -6,11 +6,12 @@ kernels must be bit-identical to these on every input.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["swap_through_", "copy_", "fingerprint", "token_to_request_"]
+__all__ = ["swap_through_", "copy_", "fingerprint", "token_to_request_", "handed_counts", "handed_held"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -149,3 +150,15 @@ def check_loop_condition(flag: torch.Tensor, counter: torch.Tensor, active: torc
 def loop_condition_(flag: torch.Tensor, counter: torch.Tensor, limit: int, active: torch.Tensor) -> None:
     """``flag[0] = counter[0] < limit and any(active)``, as int32, without a host read."""
     flag.view(-1).copy_(((counter.view(-1)[:1] < limit) & active.reshape(-1).any().view(1)).to(torch.int32))
+
+
+def handed_counts(objs: tuple) -> tuple[int, ...]:
+    """Each object's reference count, as :func:`handed_held` counts it (``graphs/replay/stale.py``)."""
+    return tuple(map(sys.getrefcount, objs))
+
+
+def handed_held(objs: tuple, counts: tuple[int, ...], cdatas: tuple[int, ...], own: int) -> bool:
+    """Whether a handed-out set of outputs is referenced beyond graphctl: an object's count
+    differs from ``counts`` (its :func:`handed_counts` when graphctl alone held it), or the users
+    of the storages at ``cdatas`` (``StorageImpl`` addresses) sum to other than ``own``."""
+    return tuple(map(sys.getrefcount, objs)) != counts or sum(map(torch._C._storage_Use_Count, cdatas)) != own

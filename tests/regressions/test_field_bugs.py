@@ -358,7 +358,8 @@ def test_an_output_read_after_the_next_call_overwrote_it_raises_under_the_knob(b
         assert torch.equal(second * 1, b * 2)  # the latest output reads fine
     without = f(a)
     f(b)
-    assert torch.equal(without, b * 2)  # the documented aliasing, knob off: no check, no cost
+    with pytest.raises(RuntimeError, match="overwritten since by the call at"):  # knob off: the default check
+        without.sum()
 
 
 def test_a_view_of_an_output_stays_watched_under_the_knob(backend, device):
@@ -390,45 +391,59 @@ def test_copy_outputs_returns_fresh_tensors(backend, device):
     assert torch.equal(first, a * 2)
 
 
-def test_outputs_kept_past_the_next_replay_warn_once_by_default(backend, device):
-    # Regression: issue 30, a caller keeping a graphed call's outputs across replays read newer values, nothing said.
-    import warnings
-
+def test_an_output_kept_past_the_next_call_raises_at_its_read_by_default(backend, device):
+    # Regression: issue 55, `a = f(x1); f(x2); a` read the second call's values with no error (only a warning later).
     import graphctl
 
     f = graphctl.graphed(lambda x: (x * 2, x + 1), buckets=[4, 8], inputs=["x"], backend=backend, progress=False)
-    xs = [torch.randn(3, 3).to(device) for _ in range(4)]
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always")
-        outs = [f(x) for x in xs]  # every call's outputs kept: the first three now hold the last call's values
-    held = [w for w in got if issubclass(w.category, graphctl.OutputsHeldWarning)]
-    assert len(held) == 1, [str(w.message) for w in got]  # once, not at every later call
-    msg = str(held[0].message)
-    assert "returned two calls ago is still held" in msg and "bucket 4" in msg, msg
-    assert "test_field_bugs.py" in msg and "copy_outputs=True" in msg and "clone" in msg, msg
-    assert held[0].filename.endswith("test_field_bugs.py"), held[0].filename  # points at the user's line
-    assert torch.equal(outs[0][0], xs[-1] * 2)  # what it warns about: the first output reads the last call's values
+    x1, x2 = torch.randn(3, 3).to(device), torch.randn(3, 3).to(device)
+    a = f(x1)
+    a_sum = a[0].sum().item()  # read before the next call: fine
+    f(x2)
+    for t in a:  # every output of the overwritten call
+        with pytest.raises(RuntimeError) as ei:
+            t.sum()
+        msg = str(ei.value)
+        assert "bucket 4" in msg and "copy_outputs=True" in msg and "clone" in msg, msg
+        assert msg.count("test_field_bugs.py:") == 2, msg  # the call that returned it and the one that overwrote it
+    assert a_sum == pytest.approx((x1 * 2).sum().item(), rel=1e-5)
+    b = f(torch.randn(6, 3).to(device))  # another bucket's replay does not touch bucket 4's memory
+    assert torch.isfinite(b[0]).all()
 
 
-def test_views_of_outputs_piling_up_across_calls_warn_by_default(backend, device):
-    # Regression: issue 30, views of outputs kept across replays (kept.append(out[:, 1])) read newer values silently.
-    import warnings
-
+def test_a_view_of_an_output_kept_past_the_next_call_raises_at_its_read_by_default(backend, device):
+    # Regression: issue 55, views kept across calls (kept.append(out[:, 1]), last = logits[:, -1]) read newer values.
     import graphctl
 
     f = graphctl.graphed(lambda x: x * 2, buckets=[4], inputs=["x"], backend=backend, progress=False)
-    kept = []
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always")
-        for _ in range(4):
-            kept.append(f(torch.randn(4, 3).to(device))[:, 1])
-    held = [w for w in got if issubclass(w.category, graphctl.OutputsHeldWarning)]
-    assert len(held) == 1 and "views of its outputs pile up" in str(held[0].message), [str(w.message) for w in got]
+    x = torch.randn(4, 3).to(device)
+    last = f(x)[:, -1]  # the output itself dropped, one view kept
+    assert torch.equal(last * 1, (x * 2)[:, -1])
+    f(torch.randn(4, 3).to(device))
+    with pytest.raises(RuntimeError, match="overwritten since by the call at"):
+        last.sum()
+    kept = [f(torch.randn(4, 3).to(device))[:, 1] for _ in range(3)]
+    with pytest.raises(RuntimeError, match="overwritten"):
+        kept[0].sum()
+    assert torch.isfinite(kept[-1]).all()  # the newest call's view reads fine
+
+
+def test_a_kept_output_is_marked_by_any_replay_of_its_bucket_verify_included(backend, device):
+    # Regression: issue 55, verify() replays every bucket: outputs kept across it read verify's values silently.
+    import graphctl
+
+    f = graphctl.graphed(lambda x: x * 2, buckets=[4], inputs=["x"], backend=backend, progress=False)
+    kept = f(torch.randn(4, 3).to(device))
+    assert all(r.ok for r in f.verify())
+    with pytest.raises(RuntimeError, match=r"overwritten since by the call at .*test_field_bugs.py"):
+        kept.sum()
+    again = f(torch.randn(4, 3).to(device))  # and the runner goes on serving fresh, readable outputs
+    assert torch.isfinite(again).all()
 
 
 @pytest.mark.parametrize("how", ["loop", "loop with a view", "copy_outputs", "sizes and buckets vary"])
 def test_the_common_decode_loop_never_warns_about_held_outputs(backend, device, how):
-    # Regression: issue 30, the held-output warning must stay silent for `logits = step(x)`, every engine's loop.
+    # Regression: issue 30, the held-output check must stay silent for `logits = step(x)`, every engine's loop.
     import warnings
 
     import graphctl
@@ -438,7 +453,7 @@ def test_the_common_decode_loop_never_warns_about_held_outputs(backend, device, 
     sizes = [1, 3, 8, 2, 4, 7, 3, 3, 1, 8] if how == "sizes and buckets vary" else [3] * 10
     history = []
     with warnings.catch_warnings():
-        warnings.simplefilter("error", graphctl.OutputsHeldWarning)
+        warnings.simplefilter("error")
         for n in sizes:
             x = torch.randn(n, 3).to(device)
             logits = f(x)

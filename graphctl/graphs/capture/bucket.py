@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from graphctl.graphs.analysis.report import Segment
 from graphctl.graphs.findings.frames import user_frame
-from graphctl.graphs.replay.stale import Held, refs, watch
+from graphctl.graphs.replay.stale import Handouts, watch
 
 __all__ = ["BucketGraph", "Span", "gc_held", "segments_from_marks", "spans_from_marks", "settle_slicing"]
 
@@ -69,7 +69,7 @@ class BucketGraph:
 
     __slots__ = ("graph", "out_flat", "out_spec", "out_rows", "single", "manifest", "segments", "draft",
                  "checked", "capture_ms", "replays", "eager_runs", "replay_us", "eager_us", "_sliced", "bucket",
-                 "last_where", "_held", "_sets", "_calls", "spans", "_state", "_window", "_device")
+                 "last_where", "_hand", "spans", "_state", "_window", "_device")
 
     def __init__(self, graph: Any, out: Any, bucket: int, manifest: dict[str, int], segments: tuple[Segment, ...],
                  capture_ms: float, per_items: frozenset[int], spans: tuple[Span, ...] = (),
@@ -100,14 +100,14 @@ class BucketGraph:
         self.replay_us: float | None = None
         self.eager_us: float | None = None
         self._sliced: dict[int, Any] = {}
-        self._held: Held | None = None  # built at the first default-path call (graphs/replay/stale.py)
-        self._sets: dict[tuple[int, int], tuple] = {}  # (n, parity) -> (objects returned, their refcounts)
-        self._calls = 0
+        self._hand: Handouts | None = None  # built at the first default-path call (graphs/replay/stale.py)
 
     def replay(self, state: Any, refresh: Callable[[], Any] | None = None) -> None:
         """Replay the graph (see the module docstring); ``refresh()`` makes the runner's refresh
         switch, open around the replay (None: no switch around it)."""
         self._state = state
+        if self._hand is not None:
+            self._hand.overwriting()  # what the last call handed out and is still held reads this replay's values
         try:
             if refresh is None:
                 self.graph.replay(self)
@@ -147,25 +147,9 @@ class BucketGraph:
         if check:
             self.last_where = user_frame()
             return watch(self.outputs(n), self, self.last_where)
-        # two sets of views alternate, so what the call before the last returned is told apart
-        # from what the last returned: a caller still holding it gets one warning (stale.Held)
-        self._calls += 1
-        key = (n, self._calls & 1)
-        rec = self._sets.get(key)
-        if rec is None:
-            if self._held is None:
-                self._held = Held(self.out_flat, self.manifest)
-            before = self._held.uses()
-            out = self.outputs(n) if key[1] else tree_map(
-                lambda t: t.view(t.shape) if isinstance(t, torch.Tensor) else t, self.outputs(n))
-            objs = (out, *(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))) \
-                if not isinstance(out, torch.Tensor) else (out,)
-            del out  # counted below as graphctl alone holds them
-            self._held.built(before)
-            rec = self._sets[key] = objs, refs(objs)
-        assert self._held is not None  # made with the first set above
-        self._held.given(rec, self.bucket)
-        return rec[0][0]
+        if self._hand is None:
+            self._hand = Handouts(self)
+        return self._hand.give(n)
 
     def outputs(self, n: int) -> Any:
         """The static outputs sliced to ``n`` items (views, built once per ``n``)."""

@@ -7,10 +7,13 @@ import functools
 import os
 import sys
 import types
+from collections.abc import Callable
 
 import torch
 
-__all__ = ["GRAPHCTL_DIR", "user_frame"]
+from graphctl import ops
+
+__all__ = ["GRAPHCTL_DIR", "caller", "caller_fn", "shown", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 GRAPHCTL_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../graphctl
@@ -42,3 +45,57 @@ def user_frame() -> str:
             return f"{shown}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"
+
+
+_INTERNAL_DIRS_AND_TORCH = (_TORCH_DIR, *_INTERNAL_DIRS)
+_INTERNAL_PARTS = ("<frozen",)
+# id(code object) -> torch's or graphctl's machinery; the code objects kept alive beside it, so an id
+# is never reused while it is a key (a code object's own hash walks its fields: ids are cheaper)
+_INTERNAL_CODE: dict[int, bool] = {}
+_KEPT: list[types.CodeType] = []
+
+
+def _internal(code: types.CodeType) -> bool:
+    if len(_KEPT) > 4096:
+        _INTERNAL_CODE.clear()
+        _KEPT.clear()
+    f = code.co_filename
+    v = _INTERNAL_CODE[id(code)] = f.startswith(_INTERNAL_DIRS_AND_TORCH) or any(p in f for p in _INTERNAL_PARTS)
+    _KEPT.append(code)
+    return v
+
+
+def caller() -> tuple[types.CodeType | None, int]:
+    """:func:`user_frame` as a raw key (code object, line), for the call path, which records where
+    each call came from and formats it (:func:`shown`) only when it must say so: one C call
+    (``graphctl._C.caller``, code objects' verdicts cached by address), or :func:`_walk`."""
+    return ops.caller(_INTERNAL_DIRS_AND_TORCH, _INTERNAL_PARTS, _walk)
+
+
+def caller_fn() -> Callable[[], tuple[types.CodeType | None, int]]:
+    """:func:`caller` without its Python frame, for a hot path that takes it once: the C call
+    bound to its arguments, or the Python walk."""
+    return ops.caller_fn(_INTERNAL_DIRS_AND_TORCH, _INTERNAL_PARTS, _walk)
+
+
+def _walk() -> tuple[types.CodeType | None, int]:
+    """:func:`caller` in Python, its reference: a dict lookup a frame."""
+    frame: types.FrameType | None = sys._getframe(1)
+    get = _INTERNAL_CODE.get
+    while frame is not None:
+        code = frame.f_code
+        inside = get(id(code))
+        if inside is None:
+            inside = _internal(code)
+        if not inside:
+            return code, frame.f_lineno
+        frame = frame.f_back
+    return None, 0
+
+
+def shown(at: tuple[types.CodeType | None, int]) -> str:
+    """A :func:`caller` key as :func:`user_frame` writes it (``file.py:12``)."""
+    code, line = at
+    if code is None:
+        return "<unknown>"
+    return f"{_shown(code.co_filename, os.getcwd()) or code.co_filename}:{line}"

@@ -1,40 +1,39 @@
-"""Outputs read after a later call overwrote them, made loud (a debug knob).
+"""Outputs read after a later call overwrote them: an error at the read, by default.
 
 A graphed call returns views of the graph's static outputs: the next replay of the same bucket
-writes into the same memory (PyTorch #122192 is this bug in user code; its cudagraph trees raise
-on such an access). Under ``GRAPHCTL_CHECK_OUTPUTS=1`` every returned tensor is a
-:class:`Watched` view that remembers which bucket produced it, at which replay, from which line;
-any torch operation on it after that bucket replayed again raises ``ReplayError`` naming both
-calls' lines; a view taken of it (``out[0][1:]``, ``.view``, ``.T``) is watched the same way,
-since it reads the same memory. Merely keeping the old name alive (``logits = step(x)`` in a
-loop) is no access, so it never raises. ``copy_outputs=True`` on the runner returns fresh tensors instead.
+writes into the same memory (PyTorch #122192 is this bug in user code). By default
+(:class:`Handouts`) each call's outputs live on storage objects of their own that alias the static
+memory (DLPack: the alias keeps the static output alive), and before each replay of the bucket the
+outputs handed out at the last call, if anything still holds them or a view of them, have their
+storages marked (``torch._C._set_storage_data_ptr_access_error_msg``, what PyTorch's cudagraph trees
+use): any later read of them, or of a view taken of them, raises ``RuntimeError`` naming the call
+that returned them, the call that overwrote them and the fix. Nothing is paid per op. Two sets of
+outputs alternate between calls, so ``logits = step(x)`` in a loop (the old outputs still named
+during the next call, dropped right after) gets its set back unmarked at the call after next,
+with no new tensor made; a set still held then stays marked for good and a fresh one is made.
+An output that aliases a static input or a state buffer (the caller's own memory) is handed out
+as a plain view, unchecked; one that DLPack cannot carry (quantized, conjugated) is marked on its
+own tensor (views taken of it earlier are not caught).
 
-Without the knob, :class:`Held` warns once (``OutputsHeldWarning``) where a caller keeps outputs
-past the call that overwrote them. Two sets of views of the static outputs alternate between
-calls, so "returned two calls ago" is a distinct set of Python objects: if any of them is still
-referenced beyond graphctl's own references when the call after next returns, the caller kept
-it (``prev = step(x)``, ``outs.append(step(x))``). Views the caller takes of an output
-(``out[0][1:]``) are new tensors on the output's storage; they are seen by the storage's use
-count (as PyTorch's cudagraph trees count them), which cannot say which call a view came from:
-only views accumulating over calls warn (``kept.append(out[:, -1])``). One view kept for a long
-time reads as the loop's ``last = logits[:, -1]``; ``GRAPHCTL_CHECK_OUTPUTS=1`` catches its read.
-The common ``logits = step(x)`` loop holds only the last call's outputs and never warns.
+Under ``GRAPHCTL_CHECK_OUTPUTS=1`` every returned tensor is a :class:`Watched` view instead that
+remembers which bucket produced it, at which replay, from which line; any torch operation on it
+after that bucket replayed again raises ``ReplayError`` naming both calls' lines (a debug knob: a
+Python check per op). ``copy_outputs=True`` on the runner returns fresh tensors.
 """
 from __future__ import annotations
 
-import sys
-import warnings
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from graphctl.errors import OutputsHeldWarning, ReplayError
-from graphctl.graphs.findings.frames import user_frame
+from graphctl import ops
+from graphctl.errors import ReplayError
+from graphctl.graphs.findings.frames import caller_fn, shown
 
-__all__ = ["Held", "Watched", "refs", "watch"]
+__all__ = ["Handouts", "Watched", "watch"]
 
-_USE_COUNT = torch._C._storage_Use_Count  # tensors (and Python storage objects) on a storage
 
 
 class Watched(torch.Tensor):
@@ -91,65 +90,140 @@ def watch(out: Any, cap: Any, where: str) -> Any:
     return tree_map(lambda t: Watched(t, cap, where) if isinstance(t, torch.Tensor) else t, out)
 
 
-def refs(objs: tuple) -> tuple[int, ...]:
-    """Each object's reference count (one code path for the baseline and the check, so both
-    count the same temporaries)."""
-    return tuple(map(sys.getrefcount, objs))
+_USE_COUNT = torch._C._storage_Use_Count  # tensors (and Python storage objects) on a storage
+_MARK = torch._C._set_storage_data_ptr_access_error_msg
+_CLEAR = torch._C._clear_storage_data_ptr_access_error_msg
+_RELEASE = torch._C._set_storage_access_error_msg  # one tensor's: it lets go of its storage for good
 
 
-class Held:
-    """One bucket's check that callers do not keep its outputs past a replay (see the module
-    docstring). ``given(rec)`` at each default-path call, before its outputs are returned:
-    ``rec`` = (the objects it returns: the container and its tensors, their reference counts
-    when graphctl alone held them). Costs a reference count per returned object and a use count
-    per output storage, about 0.3 us a call."""
+def _alias(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` on a storage object of its own over the same memory, holding ``t``'s alive (the
+    DLPack capsule owns a reference); None where DLPack cannot carry it."""
+    try:
+        return from_dlpack(to_dlpack(t))
+    except (RuntimeError, BufferError, TypeError):
+        return None
 
-    __slots__ = ("_older", "_newer", "_roots", "_own", "_views", "_trend", "warned")
 
-    def __init__(self, outs: list[Any], manifest: dict[str, int]) -> None:
-        self._older: tuple | None = None  # rec of the call before the last
-        self._newer: tuple | None = None  # rec of the last call
-        # the outputs' own storages (an output aliasing an input or a state buffer shares it with
-        # tensors the engine makes and drops as it likes)
-        roots: dict[int, None] = {}  # an ordered set
-        for t in outs:
-            if isinstance(t, torch.Tensor) and t.numel():
-                st = t.untyped_storage()
-                lo = st.data_ptr()
-                if not any(lo <= a < lo + st.nbytes() for a in manifest.values()):
-                    roots[st._cdata] = None
-        self._roots = list(roots)
-        self._own = self.uses()  # graphctl's own tensors on those storages
-        self._views = -1  # other tensors on those storages at the last call, or -1
-        self._trend = 0  # calls in a row at which that count grew
-        self.warned = False
+class _Set:
+    """The outputs handed out at one parity: per ``n``, the container and the sliced views."""
 
-    def uses(self) -> int:
-        return sum(map(_USE_COUNT, self._roots))
+    __slots__ = ("bases", "cdatas", "released", "by_n", "objs", "counts", "own", "where", "marked")
 
-    def built(self, before: int) -> None:
-        """graphctl made views of the outputs since ``before = uses()``: they are its own."""
-        self._own += self.uses() - before
+    def __init__(self, bases: list[tuple[torch.Tensor, int]]) -> None:
+        self.bases = bases  # per output leaf: (what its views are taken of, how it is checked: _ALIAS, ...)
+        self.cdatas = tuple(b.untyped_storage()._cdata for b, how in bases if how == _ALIAS)
+        self.released = any(how == _OWN for _, how in bases)  # marked tensor by tensor: never reused once marked
+        self.by_n: dict[int, Any] = {}
+        self.objs: tuple = ()  # everything handed out at any n: containers and tensors
+        self.counts: tuple[int, ...] = ()
+        self.own = 0  # graphctl's tensors on the aliases' storages
+        self.where: tuple[Any, int] = (None, 0)
+        self.marked = False
 
-    def given(self, rec: tuple, bucket: int) -> None:
-        older, self._older, self._newer = self._older, self._newer, rec
-        if self.warned:
+_ALIAS, _OWN, _PLAIN = 0, 1, 2  # storage-level mark; tensor-level mark; unchecked (the caller's own memory)
+
+
+class Handouts:
+    """One bucket's outputs as calls hand them out, and their marking when a replay overwrites
+    them (see the module docstring). ``overwriting()`` before every replay of the bucket,
+    ``give(n)`` for a call's result."""
+
+    __slots__ = ("_cap", "_kinds", "_sets", "_last", "_calls", "_msg", "_now", "_count", "_held", "_where")
+
+    def __init__(self, cap: Any) -> None:
+        self._cap = cap  # the BucketGraph: bucket, static outputs, slicing, manifest
+        self._count, self._held = ops.handed_checks()  # one C call each (the Python reference without _C)
+        self._where = caller_fn()  # the user's line of a call
+        kinds = []
+        for t in cap.out_flat:
+            if not isinstance(t, torch.Tensor):
+                kinds.append(_PLAIN)
+                continue
+            st = t.untyped_storage()
+            lo = st.data_ptr()
+            caller_memory = any(lo <= a < lo + st.nbytes() for a in cap.manifest.values())
+            kinds.append(_PLAIN if caller_memory else _ALIAS)
+        self._kinds = kinds
+        self._sets: list[_Set | None] = [None, None]
+        self._last: _Set | None = None
+        self._calls = 0
+        self._msg: tuple[Any, Any, str] = ((None, -1), (None, -1), "")  # the last message and both calls' lines
+        self._now: tuple[Any, int] | None = None  # the caller of the replay running now, found by overwriting()
+
+    def _new_set(self) -> _Set:
+        bases: list[tuple[Any, int]] = []
+        for t, kind in zip(self._cap.out_flat, self._kinds):
+            if kind == _ALIAS:
+                a = _alias(t)
+                bases.append((a, _ALIAS) if a is not None else (t, _OWN))
+            else:
+                bases.append((t, kind))
+        return _Set(bases)
+
+    def _add(self, s: _Set, n: int) -> None:
+        cap = self._cap
+        leaves = [b if not isinstance(b, torch.Tensor) else (b[: n * r] if r is not None else b.view(b.shape))
+                  for (b, _), r in zip(s.bases, cap.out_rows)]
+        out = leaves[0] if cap.single else tree_unflatten(leaves, cap.out_spec)
+        s.by_n[n] = out
+        new = (out,) if cap.single else (out, *(t for t in leaves if isinstance(t, torch.Tensor)))
+        del leaves, out
+        s.objs = s.objs + new
+        del new
+        s.counts = self._count(s.objs)
+        s.own = sum(map(_USE_COUNT, s.cdatas))
+
+    def overwriting(self) -> None:
+        """Before a replay of the bucket: the outputs the last call handed out, if still held, are
+        marked (their reads raise from now on)."""
+        s = self._last
+        if s is None:
             return
-        # the caller's own references to what it got two calls ago (the same objects this call returns)
-        if older is not None and refs(older[0]) != older[1]:  # never below: graphctl's references stay
-            self._warn(bucket, "an output returned two calls ago is still held",
-                       "keep only the last call's outputs (logits = step(x))")
+        self._last = None
+        now = self._now = self._where()
+        if not self._held(s.objs, s.counts, s.cdatas, s.own):
             return
-        views = self.uses() - self._own
-        self._trend = self._trend + 1 if 0 <= self._views < views else 0
-        self._views = views
-        if self._trend >= 2:
-            self._warn(bucket, f"views of its outputs pile up across calls ({views} held now)",
-                       "keep no view of an output past the next call")
+        then, last = s.where, self._msg
+        if then == last[0] and now == last[1]:  # a loop: the same two lines as the last time
+            msg = last[2]
+        else:
+            msg = self._message(then, now)
+            self._msg = (then, now, msg)
+        for cd in s.cdatas:
+            _MARK(cd, msg)
+        if s.released:
+            for out in s.by_n.values():
+                for t, (_, how) in zip([out] if self._cap.single else tree_flatten(out)[0], s.bases):
+                    if how == _OWN:
+                        _RELEASE(t, msg)
+        s.marked = True
 
-    def _warn(self, bucket: int, what: str, keep: str) -> None:
-        self.warned = True
-        warnings.warn(f"graphctl: bucket {bucket}: {what} (call at {user_frame()}); the replays since have "
-                      f"overwritten it, so it reads the newest call's values. Fix: {keep}, clone what you keep "
-                      f"(out.clone()), or pass copy_outputs=True; GRAPHCTL_CHECK_OUTPUTS=1 raises at the read.",
-                      OutputsHeldWarning, stacklevel=5)  # _warn, given, result, __call__, caller
+    def _message(self, then: tuple[Any, int], now: tuple[Any, int]) -> str:
+        return (f"graphctl: this tensor is an output of bucket {self._cap.bucket}'s graph returned by the call at "
+                f"{shown(then)}, overwritten since by the call at {shown(now)} (a replay writes the same memory); "
+                f"read now it would hold that call's values. Fix: use outputs before the next call of the same "
+                f"bucket, clone what you keep (out.clone()), or pass copy_outputs=True to the runner.")
+
+    def give(self, n: int) -> Any:
+        """The outputs sliced to ``n``, from the set of this call's parity."""
+        self._calls += 1
+        p = self._calls & 1
+        s = self._sets[p]
+        if s is not None and s.marked:
+            if s.released or self._held(s.objs, s.counts, s.cdatas, s.own):
+                s = None  # the caller keeps them: stale for good, and a fresh set for this call
+            else:
+                for cd in s.cdatas:
+                    _CLEAR(cd)
+                s.marked = False
+        if s is None:
+            s = self._sets[p] = self._new_set()
+        out = s.by_n.get(n)
+        if out is None:
+            self._add(s, n)
+            out = s.by_n[n]
+        now, self._now = self._now, None
+        s.where = now if now is not None else self._where()  # the code objects stay alive: the messages' keys hold
+        self._last = s
+        return out
