@@ -33,6 +33,7 @@ from graphctl.state.interrupts import deferred, in_user_code
 from graphctl.state.native import native_step
 from graphctl.state.phase import capturing, check_given, resolve_phase
 from graphctl.state.plan import PHASES, Plan, compile_spec
+from graphctl.state.recompute import refuse_return
 from graphctl.state.registry import Registry, default_registry
 from graphctl.state.spec import CopyInPlace
 from graphctl.state.steps import python_steps
@@ -400,7 +401,8 @@ class BoundState:
         rc = self.plan.buffers[name].derive
         assert rc is not None  # recompute steps exist for derived buffers only
         target = paths.get(self.obj, name) if out is None else out
-        self._call_user(f"the Recompute fn of '{name}'", rc.fn, target, *(paths.get(self.obj, i) for i in rc.inputs))
+        refuse_return(name, target, self._call_user(f"the Recompute fn of '{name}'", rc.fn, target,
+                                                    *(paths.get(self.obj, i) for i in rc.inputs)))
 
     # --------------------------------------------------------------------- writes, checks
 

@@ -27,6 +27,7 @@ from typing import Any
 from graphctl import ops
 from graphctl.state import paths
 from graphctl.state.core import StateCore
+from graphctl.state.recompute import refuse_return
 from graphctl.state.spec import OpCall
 from graphctl.state.steps import use_error
 from graphctl.state.transaction import Step, StepFailures
@@ -47,6 +48,11 @@ def _getter(st: StateCore, act: Any) -> Any:
     path; a callable source, run as the user callable it is, once per switch)."""
     plain = isinstance(act.source, str) and not paths.is_path(act.source)
     return act.source if plain else functools.partial(st._source, act)
+
+
+def _checked_call(st: StateCore, name: str, label: str, fn: Any, out: Any, *inputs: Any) -> None:
+    """A Python Recompute fn as the C++ table calls it, its result checked as ``st._recompute`` does."""
+    refuse_return(name, out, st._call_user(label, fn, out, *inputs))
 
 
 def native_step(st: StateCore, phase: str) -> Step | None:
@@ -78,7 +84,7 @@ def native_step(st: StateCore, phase: str) -> Step | None:
                                rc.fn.bind(bound(n), tuple(bound(i) for i in rc.inputs))))
             continue
         args = (f"the Recompute fn of '{n}'", rc.fn, bound(n), *(bound(i) for i in rc.inputs))
-        recomputes.append(("py", st._call_user, args))
+        recomputes.append(("py", functools.partial(_checked_call, st, n), args))
     table = ops.switch_table(obj, groups, puts, recomputes)
     if table is None:
         return None

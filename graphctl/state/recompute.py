@@ -11,9 +11,11 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from graphctl.errors import DeclarationError
 
-__all__ = ["OpCall", "Recompute"]
+__all__ = ["OpCall", "Recompute", "refuse_return"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -158,3 +160,19 @@ class OpCall:
         from graphctl import ops
 
         getattr(ops, self.op)(*self.bind(out, inputs))
+
+
+def refuse_return(buffer: str, out: Any, got: Any) -> None:
+    """A Recompute fn that returns its result instead of writing ``out`` leaves the derived buffer
+    stale (``fn=lambda out, lens: lens.cumsum(0)``): refused at its first call. Returning ``out``
+    itself, a view of it (``out.copy_(...)``, ``out[:n].copy_(...)``) or nothing is fine."""
+    if got is None or got is out or not isinstance(got, torch.Tensor) or torch.compiler.is_compiling():
+        return
+    if isinstance(out, torch.Tensor) and got.untyped_storage()._cdata == out.untyped_storage()._cdata:
+        return  # a view of out: it wrote in place
+    raise DeclarationError(
+        "Recompute fn returned its result instead of writing it into out", buffer=buffer,
+        expected="fn(out, *inputs) writes out in place and returns None (or out)",
+        found=f"it returned a new {str(got.dtype).removeprefix('torch.')} tensor of shape {list(got.shape)}; "
+              f"'{buffer}' was not written",
+        fix="write into out: out.copy_(lens.cumsum(0)), or torch.cumsum(lens, 0, out=out)")

@@ -669,3 +669,48 @@ def test_a_guard_left_by_a_switch_never_exited_holds_no_other_switchs_ctrl_c(gen
     finally:
         stray.__exit__(None, None, None)
     assert signal.getsignal(signal.SIGINT) is found  # the stray's exit put back what it found
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("where", ["a write", "the switch's entry"])
+def test_a_recompute_fn_returning_its_result_is_refused_and_the_switch_restores(gen, native, where):
+    # Regression: issue 55, fn=lambda out, lens: lens.cumsum(0) left the derived buffer stale with no error.
+    mode = {"return": False}
+
+    def token_map(out, seq_lens):
+        got = torch.repeat_interleave(torch.arange(seq_lens.numel(), dtype=torch.int32), seq_lens.clamp(min=0).long())
+        got = torch.nn.functional.pad(got, (0, out.numel() - got.numel()), value=seq_lens.numel())[: out.numel()]
+        if mode["return"] and where == "a write":
+            return got  # the mistake: computed, never written
+        out.copy_(got)
+        return None
+
+    def slots(out, offsets, kv_lens):  # recomputed when the draft switch swaps block_offsets in
+        got = offsets[:, 0].to(out.dtype) * 64 + kv_lens
+        if mode["return"] and where == "the switch's entry":
+            return got
+        out.copy_(got)
+        return None
+
+    spec = StateSpec("returns", extends=make_spec("returns-base"))
+    spec.buffer("req_idx_per_token", shape=("T",), dtype=torch.int32, override=True,
+                derive=Recompute(inputs=["seq_lens"], fn=token_map))
+    spec.buffer("slot_mapping", shape=("S",), dtype=torch.int64, override=True,
+                derive=Recompute(inputs=["block_offsets", "kv_lens"], fn=slots))
+    m = MiniMetadata(gen)
+    st = bind(m, registry=make_registry(spec=spec))
+    before = _contents(st)
+    name = "req_idx_per_token" if where == "a write" else "slot_mapping"
+    with graphctl.knobs.scope(native_switch=native):
+        mode["return"] = True
+        with pytest.raises(DeclarationError, match=rf"{name}.*returned its result.*out.copy_"):
+            with st.switch("draft", "eager"):
+                st.write("seq_lens", torch.ones(5, dtype=torch.int32))
+        _assert_same(st, before)  # the switch restored every buffer: nothing half-switched
+        assert st.poisoned is None and st.active_phase is None
+        mode["return"] = False  # fixed: the same state switches and derives again
+        with st.switch("draft", "eager"):
+            st.write("seq_lens", torch.ones(5, dtype=torch.int32))
+            assert m.req_idx_per_token[:5].tolist() == [0, 1, 2, 3, 4]
+            assert torch.equal(m.slot_mapping, m.block_offsets[:, 0].long() * 64 + m.kv_lens)
+    _assert_same(st, before)

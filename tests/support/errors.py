@@ -759,6 +759,15 @@ CASES: list[Case] = [
                       ("buffer", "d", {"derive": Recompute(["a", "b"], lambda out, a: None)})),
     ),
     Case(
+        "bind-recompute-returned",
+        DeclarationError,
+        "bind",
+        "a Recompute fn that returns its result instead of writing it into out",
+        lambda: _bind(_spec(("buffer", "lens", {"mutable": True}),
+                            ("buffer", "cum", {"derive": Recompute(["lens"], lambda out, lens: lens.cumsum(0))})),
+                      lens=torch.tensor([2, 3, 1]), cum=torch.zeros(3, dtype=torch.int64)),
+    ),
+    Case(
         "decl-recompute-input",
         DeclarationError,
         "declaration",
