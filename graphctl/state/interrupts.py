@@ -7,7 +7,9 @@ not. A CUDA graph replay cannot be stopped halfway either, and the emulated back
 be. :func:`deferred` holds Python-level signal handlers across such a section: a signal that
 arrives inside it is remembered, and its handler runs once the section has ended, when the
 state is consistent again (so the ``KeyboardInterrupt`` then propagates as itself). A second
-Ctrl-C while one is held and a user callable runs is delivered at once (:class:`in_user_code`).
+Ctrl-C while one is held and a user callable runs is delivered at once (:class:`in_user_code`):
+to the program's own SIGINT handler where it installed one (both signals, in order), else as a
+``KeyboardInterrupt``.
 
 Only the main thread receives signals, so elsewhere the section costs nothing. Handlers that
 are not Python callables (``SIG_DFL``, ``SIG_IGN``) are left alone: they never raise into
@@ -65,8 +67,16 @@ class deferred:
         if signum == _SIGINT and _USER_CODE[0] and any(p[0] == _SIGINT for p in self._pending):
             # a second Ctrl-C while the first is held and a user callable runs (a Recompute fn that hangs):
             # delivered at once, from inside that callable, which graphctl undoes like any callable that raises
+            held = [p for p in self._pending if p[0] == _SIGINT]
             self._pending[:] = [p for p in self._pending if p[0] != _SIGINT]
-            raise KeyboardInterrupt("a second Ctrl-C inside a user callable graphctl was running")
+            handler = dict(self._saved).get(_SIGINT, _signal.default_int_handler)
+            if handler is _signal.default_int_handler:
+                raise KeyboardInterrupt("a second Ctrl-C inside a user callable graphctl was running")
+            # the program's own handler (a graceful shutdown) hears both, in order; if it raises, that propagates
+            for _, first in held:
+                handler(_SIGINT, first)
+            handler(signum, frame)
+            return
         self._pending.append((signum, frame))
 
     def __enter__(self) -> deferred:

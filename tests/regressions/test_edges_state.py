@@ -611,6 +611,55 @@ def test_a_second_ctrl_c_gets_through_a_recompute_fn_that_hangs():
     st.check_usable()
 
 
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+@pytest.mark.parametrize("handler_does", ["sets a flag", "raises SystemExit"])
+def test_a_second_ctrl_c_goes_to_the_program_s_own_handler(handler_does):
+    # Regression: issue 55, the second Ctrl-C raised KeyboardInterrupt even where the program had installed its own
+    # SIGINT handler (a graceful shutdown), which then never heard either signal.
+    import signal
+    import time
+
+    heard = []
+
+    def shutdown(signum, frame):
+        heard.append(signum)
+        if handler_does == "raises SystemExit" and len(heard) == 2:
+            raise SystemExit(3)
+
+    calls = []
+
+    def hangs(out, lens):
+        calls.append(1)
+        if len(calls) == 2:  # bind() recomputes once; the write is the second call
+            signal.raise_signal(signal.SIGINT)  # held: the write is in its section
+            signal.raise_signal(signal.SIGINT)  # the second: to the program's handler, at once
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and handler_does == "raises SystemExit":
+                time.sleep(0.01)  # "hangs" until the handler's SystemExit ends it
+        ops.token_to_request_(out, lens, out.numel(), -1)
+
+    spec = StateSpec("own-handler")
+    spec.buffer("lens", dtype=torch.int32, mutable=True)
+    spec.buffer("token_map", dtype=torch.int32, derive=Recompute(["lens"], hangs))
+    m, st = _bind_lens(spec)
+    before = (m.lens.clone(), m.token_map.clone())
+    old = signal.signal(signal.SIGINT, shutdown)
+    try:
+        if handler_does == "sets a flag":
+            st.write("lens", torch.tensor([4, 0, 0, 0], dtype=torch.int32))  # the handler only took note: done
+            assert heard == [signal.SIGINT, signal.SIGINT]
+            assert m.lens.tolist() == [4, 0, 0, 0] and m.token_map[:4].tolist() == [0, 0, 0, 0]
+        else:
+            with pytest.raises(SystemExit) as ei:
+                st.write("lens", torch.tensor([4, 0, 0, 0], dtype=torch.int32))
+            assert ei.value.code == 3 and heard == [signal.SIGINT, signal.SIGINT]
+            assert torch.equal(m.lens, before[0]) and torch.equal(m.token_map, before[1])  # rolled back
+        assert signal.getsignal(signal.SIGINT) is shutdown  # the program's handler is back in place
+        st.check_usable()
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_a_ctrl_c_at_the_first_line_of_exit_is_restored_before_the_handler_runs(gen, native):
     # Regression: issue 29, a Ctrl-C delivered at the first line of Switch.__exit__ left every swapped attribute on
