@@ -3,8 +3,11 @@ tests/cuda on NCCL where two GPUs are lent). One spawn runs every scenario on ev
 saves what each rank saw; the tests assert on all ranks' results."""
 from __future__ import annotations
 
+import datetime
 import os
+import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -138,12 +141,19 @@ SCENARIOS = {"bucket_agreement": scenario_bucket_agreement, "fallback_agreement"
              "refresh_fails_on_one_rank": scenario_refresh_fails_on_one_rank, "tp_engine": scenario_tp_engine}
 
 
-def worker(rank: int, world: int, init_file: str, out_dir: str, dist_backend: str, graph_backend: str) -> None:
+def worker(rank: int, world: int, init_file: str, out_dir: str, dist_backend: str, graph_backend: str,
+           timeout_s: float) -> None:
     device = "cpu"
     if dist_backend == "nccl":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
-    dist.init_process_group(dist_backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    out = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group(dist_backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # the test skips, naming why this rank could not join
+        torch.save({"cannot_start": f"rank {rank}: {type(exc).__name__}: {exc}"}, out)
+        return
     results = {}
     try:
         for name, fn in SCENARIOS.items():
@@ -153,15 +163,54 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, dist_backend: st
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"}
             dist.barrier()
     finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+        torch.save(results, out)
+    dist.barrier()  # every rank saved: nothing is in flight when the group goes
+    dist.destroy_process_group()
+    # Leave without the interpreter's teardown: under load a gloo thread still winding down when static
+    # destructors run aborted the rank ("terminate called without an active exception", SIGABRT) after
+    # its results were saved, and the spawn's join turned that into ~100 lines of error.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def run_all(world: int = 2, dist_backend: str = "gloo", graph_backend: str = "emulated") -> list[dict]:
-    """Spawn ``world`` ranks, run every scenario, return each rank's results."""
+class RanksFailed(RuntimeError):
+    """The ranks did not all finish: the reason in a line or two, not the spawn's tracebacks."""
+
+
+def _last_lines(exc: BaseException, n: int = 3) -> str:
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    return " | ".join(lines[-n:])
+
+
+def run_all(world: int = 2, dist_backend: str = "gloo", graph_backend: str = "emulated",
+            timeout_s: float = 300.0) -> list[dict]:
+    """Spawn ``world`` ranks, run every scenario, return each rank's results. A rank that cannot
+    join the group returns ``{"cannot_start": why}``; ranks that raise, die or outlive
+    ``timeout_s`` raise :class:`RanksFailed` with the reason in a line (the survivors killed)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
         init = os.path.join(d, "init")
-        mp.spawn(worker, args=(world, init, d, dist_backend, graph_backend), nprocs=world, join=True)
-        return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+        ctx = mp.spawn(worker, args=(world, init, d, dist_backend, graph_backend, timeout_s), nprocs=world,
+                       join=False)
+        deadline = time.monotonic() + timeout_s
+        problem = None
+        try:
+            while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    problem = f"the ranks were still running after {timeout_s:.0f} s"
+                    break
+        except mp.ProcessException as exc:  # a rank raised or died (a signal)
+            problem = _last_lines(exc)
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+        paths = [os.path.join(d, f"rank{r}.pt") for r in range(world)]
+        got = [torch.load(pth) if os.path.exists(pth) else None for pth in paths]
+        if all(g is not None for g in got):
+            return got  # every rank saved what it saw (a rank dying after that lost nothing)
+        raise RanksFailed(f"{dist_backend} ranks: {problem or 'a rank exited without results'}; "
+                          f"results from ranks {[r for r, g in enumerate(got) if g is not None]}")
