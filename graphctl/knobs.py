@@ -126,6 +126,10 @@ KNOBS: tuple[Knob, ...] = (
          "Hypothesis profile for `graphctl.testing`'s machines and `tests/property`: `ci` (200 examples "
          "x 30 steps), `thorough` (2000 x 60, for the GPU machine or a night run), `dev` (20 x 10). "
          "Registered as `graphctl-<name>`; in any pytest run with graphctl installed, setting it loads it."),
+    Knob("test_seed", "GRAPHCTL_TEST_SEED", int, -1, "test",
+         "This repository's tests: the seed of every test's random inputs (the `gen` fixture and torch's, "
+         "Python's global generators). -1: a fresh seed per test, printed with a failure as the line "
+         "that reproduces it (`GRAPHCTL_TEST_SEED=<seed> pytest <test>`)."),
 )
 
 

@@ -4,11 +4,14 @@ device; every test under tests/cuda carries it) and the ``backend`` fixture (emu
 graphs where a device exists): one scenario, each graph backend."""
 from __future__ import annotations
 
+import os
+import random
 import signal
 
 import pytest
 import torch
 
+from graphctl.knobs import knobs
 from graphctl.testing.profiles import load
 
 # this repository's runs always use a graphctl profile (ci unless GRAPHCTL_HYPOTHESIS_PROFILE says)
@@ -44,8 +47,31 @@ def device(backend: str) -> str:
     return "cuda" if backend == "cuda" else "cpu"
 
 
+_SEED = pytest.StashKey[int]()
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Every test's randomness from one seed: GRAPHCTL_TEST_SEED, else a fresh one; torch's and Python's
+    global generators are seeded with it too, so a test drawing without ``gen`` replays as well. A
+    failure prints the line that reproduces it (``pytest_runtest_makereport`` below)."""
+    seed = knobs.test_seed if knobs.test_seed >= 0 else int.from_bytes(os.urandom(4), "little") % 2**31
+    request.node.stash[_SEED] = seed
+    torch.manual_seed(seed)
+    random.seed(seed)
+    return seed
+
+
 @pytest.fixture
-def gen() -> torch.Generator:
-    """A generator with a fresh seed per test (printed on failure through the test's locals)."""
-    seed = torch.seed() % 2**31
-    return torch.Generator().manual_seed(seed)
+def gen(_seeded) -> torch.Generator:
+    """A generator seeded with the test's seed (``_seeded``)."""
+    return torch.Generator().manual_seed(_seeded)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = item.stash.get(_SEED, None)
+    if report.failed and seed is not None:
+        report.sections.append(("seed", f"reproduce with: GRAPHCTL_TEST_SEED={seed} pytest '{item.nodeid}'"))

@@ -97,8 +97,14 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16
             assert not got.isnan().any(), (dtype, shape, splits)
             dead = case[4] >= shape["R"]
             assert torch.equal(got[dead], torch.zeros_like(got[dead])), (dtype, shape, splits)
-            err = (got.float() - want.float()).abs().max().item()
-            assert err <= tol, (dtype, shape, splits, err)
+            # Both outputs are rounded to `dtype` once, from float32 sums taken in different orders: where the
+            # exact value sits near a rounding boundary they differ by one ulp of the output, 2**-5 for a
+            # bfloat16 output of magnitude 4 to 8, past an absolute tolerance (a seed failed on 0.03125 at
+            # H 16, D 64). The tolerance bounds the arithmetic's error beyond that one final rounding.
+            ulp = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(
+                want.float().abs().clamp_min(torch.finfo(dtype).tiny))))
+            err = ((got.float() - want.float()).abs() - ulp).clamp_min(0).max().item()
+            assert err <= tol, ("seed", sys.argv[2], dtype, shape, splits, err)
             worst[str(dtype)] = max(worst.get(str(dtype), 0.0), err)
 # the eager path's K/V write: keys as the HF layer hands them ([T, KVH, D] strided views), caches in another dtype
 from graphctl.ops.attention import write_reference
@@ -132,7 +138,7 @@ def test_the_triton_kernel_equals_the_reference_in_triton_s_interpreter(gen):
     seed = str(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
     res = subprocess.run([sys.executable, "-c", _TRITON_CHECK, tests, seed], env=env, capture_output=True, text=True,
                          timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, f"the interpreter's check failed (its seed {seed}):\n" + res.stderr[-3000:]
     assert "float32" in res.stdout and "bfloat16" in res.stdout
 
 

@@ -45,16 +45,23 @@ import sys, torch
 from graphctl.ops.sampling import probs_from_logits
 from graphctl.ops.sampling_triton import probs
 sys.path.insert(0, sys.argv[1])
-from unit.test_sampling_triton import CASES, SETTINGS, _logits
+from unit.test_sampling_triton import CASES, SETTINGS, _assert_same_law, _logits
 gen = torch.Generator().manual_seed(int(sys.argv[2]))
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
     for rows, vocab in CASES[:4]:
         logits = _logits(gen, rows, vocab, dtype)
         for t, p in SETTINGS:
             got, want = probs(logits, t, p), probs_from_logits(logits, t, 0, p)  # CPU tensors: the reference
-            assert torch.equal(got > 0, want > 0), (dtype, rows, vocab, t, p)
-            err = (got - want).abs().max().item()
-            assert err <= 2e-6, (dtype, rows, vocab, t, p, err)
+            what = ("seed", sys.argv[2], dtype, rows, vocab, t, p)
+            if torch.equal(got > 0, want > 0):
+                err = (got - want).abs().max().item()
+                assert err <= 2e-6, (what, err)
+            else:
+                # The kernel finds the top-p threshold by bisection over float32 sums, the reference by a sorted
+                # float32 cumsum: over 1000 tokens at temperature 2 the two sums differ by a few ulps of the mass
+                # (~1e-6), more than a tail token holds near top-p 0.999, so either may keep a boundary token the
+                # other drops (a seed failed at float32, 5 x 1000, t 2.0, p 0.999). As on CUDA: the same law.
+                _assert_same_law(got, want, logits, t, what)
 assert probs(torch.randn(1, 40000), 1.0, 0.9) is None  # a row that does not fit: the PyTorch code runs
 print("ok")
 """
@@ -113,7 +120,7 @@ def _interpret(script: str, gen, timeout: int) -> None:
     seed = str(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
     res = subprocess.run([sys.executable, "-c", script, tests, seed], env={**os.environ, "TRITON_INTERPRET": "1"},
                          capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, f"the interpreter's check failed (its seed {seed}):\n" + res.stderr[-3000:]
     assert res.stdout.strip().endswith("ok")
 
 
