@@ -477,3 +477,28 @@ def test_an_op_failing_mid_replay_inside_the_recorded_switch_is_restored(gen):
     with pytest.raises(RuntimeError, match="injected"):
         toy2.forward(*toy2.batch(4), toy2.meta)
     assert toy2.state.poisoned is None
+
+
+def test_a_first_user_s_argument_mistakes_get_a_fix_that_works():
+    # Regression: issue 55, buckets=8 was a raw TypeError ('int' object is not iterable); weights beside the batch
+    # without inputs= failed later naming the weight's shape; a list as a static input was told to drop it.
+    with pytest.raises(graphctl.DeclarationError, match=r"buckets=\[8\]"):
+        graphctl.graphed(lambda x: x, buckets=8)
+    f = graphctl.graphed(lambda x: x * 2, buckets=[8], backend="emulated", progress=False)  # the fix
+    assert torch.equal(f(torch.ones(3, 2)) * 1, torch.full((3, 2), 2.0))
+
+    def mlp(x, w):
+        return x @ w
+
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    with pytest.raises(graphctl.DeclarationError, match=r"inputs=\['x'\]") as ei:
+        graphctl.graphed(mlp, buckets=[2, 4], backend="emulated", progress=False)(x, w)
+    assert "x: 3, w: 4" in str(ei.value)
+    g = graphctl.graphed(mlp, buckets=[2, 4], inputs=["x"], backend="emulated", progress=False)  # the fix
+    torch.testing.assert_close(g(x, w), x @ w, rtol=1e-4, atol=1e-4)
+
+    with pytest.raises(graphctl.DeclarationError, match=r"torch.tensor\(y\)"):
+        graphctl.graphed(lambda x, y: x + y, buckets=[2], inputs=["x", "y"], backend="emulated",
+                         progress=False)(torch.ones(2, 1), [1.0, 2.0])
+    h = graphctl.graphed(lambda x, y: x + y, buckets=[2], inputs=["x", "y"], backend="emulated", progress=False)
+    assert torch.equal(h(torch.ones(2, 1), torch.tensor([[1.0], [2.0]])) * 1, torch.tensor([[2.0], [3.0]]))

@@ -1134,6 +1134,31 @@ CASES: list[Case] = [
         lambda: graphed(lambda x: x, buckets=[0, 2]),
     ),
     Case(
+        "graph-buckets-int",
+        DeclarationError,
+        "declaration",
+        "buckets=8 (one int, not a list)",
+        lambda: graphed(lambda x: x, buckets=8),
+    ),
+    Case(
+        "graph-inputs-default-differ",
+        DeclarationError,
+        "declaration",
+        "weights passed beside the batch without inputs= (every tensor argument is batched by default)",
+        lambda: graphed(lambda x, w: x @ w, buckets=[2, 4], backend="emulated", progress=False)(
+            torch.rand(3, 4, generator=G()), torch.rand(4, 4, generator=G())
+        ),
+    ),
+    Case(
+        "graph-input-list",
+        DeclarationError,
+        "declaration",
+        "a Python list passed as a static input",
+        lambda: graphed(lambda x, y: x, buckets=[2], inputs=["x", "y"], backend="emulated", progress=False)(
+            torch.rand(2, 3, generator=G()), [1, 2]
+        ),
+    ),
+    Case(
         "graph-fallback",
         DeclarationError,
         "declaration",

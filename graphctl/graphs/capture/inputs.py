@@ -83,8 +83,11 @@ class StaticInput:
     def allocate(self, example: torch.Tensor, max_bucket: int) -> torch.Tensor:
         """The static buffer: ``example``'s dtype, device and other dims; ``max_bucket`` items."""
         if not isinstance(example, torch.Tensor):
+            listed = isinstance(example, (list, tuple)) and all(isinstance(v, (int, float, bool)) for v in example)
             raise DeclarationError("a static input is not a tensor", buffer=self.name, expected="torch.Tensor",
-                                   found=type(example).__name__, fix="list only tensor arguments in inputs=")
+                                   found=type(example).__name__,
+                                   fix=f"pass a tensor: torch.tensor({self.name})" if listed else
+                                   "pass a tensor for it, or leave it out of inputs= (then it is frozen at capture)")
         if example.dim() <= self.dim:
             raise DeclarationError("a static input has no batch dimension", buffer=self.name,
                                    expected=f"at least {self.dim + 1} dims", found=tuple(example.shape),
@@ -162,6 +165,11 @@ class Buckets:
     __slots__ = ("sizes", "_table")
 
     def __init__(self, sizes: Iterable[int]) -> None:
+        if isinstance(sizes, (int, str, bytes)) or not isinstance(sizes, Iterable):
+            raise DeclarationError("buckets must be a list of batch sizes", expected="e.g. buckets=[1, 2, 4, 8]",
+                                   found=f"{type(sizes).__name__} {sizes!r}",
+                                   fix=f"pass a list: buckets=[{sizes}]" if isinstance(sizes, int) else
+                                   "list the batch sizes to capture")
         raw = list(sizes)
         if not raw or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in raw):
             raise DeclarationError("buckets must be positive ints", expected="e.g. [1, 2, 4, 8]", found=raw,

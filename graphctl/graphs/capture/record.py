@@ -75,9 +75,18 @@ class Capture:
         inputs = opts.inputs
         if inputs is None:
             inputs = tuple(StaticInput(n) for n, v in arguments.items() if isinstance(v, torch.Tensor))
+            rows = {n: arguments[n].shape[0] if arguments[n].dim() else None for n in (si.name for si in inputs)}
+            if len(set(rows.values())) > 1:  # weights beside the batch: inputs= was meant
+                raise DeclarationError("every tensor argument is a static input by default, batched on dim 0, "
+                                       "and theirs differ", expected="one batch size across the tensor arguments",
+                                       found=", ".join(f"{n}: {r if r is not None else 'a 0-dim tensor'}"
+                                                       for n, r in rows.items()),
+                                       fix=f"name the batched ones: inputs=[{next(iter(rows))!r}]")
         if not inputs:
             raise DeclarationError("the forward has no static input", expected="at least one tensor argument",
-                                   found=list(arguments), fix="declare inputs=('input_ids', ...)")
+                                   found={n: type(v).__name__ for n, v in arguments.items()},
+                                   fix="pass the batched argument as a tensor (torch.tensor(...)), or declare "
+                                       "inputs=('input_ids', ...)")
         largest = opts.buckets.largest
         slots = tuple(InputSlot(si, si.allocate(arguments[si.name], largest)) for si in inputs)
         names = {si.name for si in inputs}
