@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
+
+from graphctl.errors import did_you_mean
 
 __all__ = ["main"]
 
@@ -60,9 +63,32 @@ def _positive(text: str) -> int:
     return v
 
 
-def _parser() -> argparse.ArgumentParser:
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a did-you-mean for a misspelled command, and its commands' parsers by name."""
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def error(self, message: str) -> NoReturn:
+        if "invalid choice: " in message:
+            wrong = message.split("invalid choice: ", 1)[1].split("'")[1]
+            message += did_you_mean(wrong, ("capture", "info", "bench"))
+        super().error(message)
+
+
+def _unknown(parser: _Parser, command: str, unknown: list[str]) -> NoReturn:
+    """Unrecognized arguments, reported by the command's own parser (its usage, not the top level's),
+    with the closest option of that command."""
+    sub = parser.commands[command]
+    flags = [o for a in sub._actions for o in a.option_strings]  # argparse lists a parser's options nowhere public
+    hints = "".join(h for h in (did_you_mean(u.split("=", 1)[0], flags) for u in unknown if u.startswith("-")) if h)
+    if command == "bench" and not hints:
+        hints = f" (a benchmark's own options go after --: graphctl bench NAME -- {' '.join(unknown)})"
+    sub.error(f"unrecognized arguments: {' '.join(unknown)}{hints}")
+
+
+def _parser() -> _Parser:
     raw = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(prog="graphctl", description="CUDA-graph capture orchestration for draft forwards. "
+    p = _Parser(prog="graphctl", description="CUDA-graph capture orchestration for draft forwards. "
                                 "Commands: capture (the main job), info, bench; graphctl COMMAND --help for each.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -137,6 +163,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="where each benchmark's JSON goes, e.g. --out /tmp/bench (default bench/out)")
     b.add_argument("--list", action="store_true", help="list the benchmarks and exit (e.g. graphctl bench --list)")
     b.epilog = "arguments after -- go to every benchmark, e.g. graphctl bench draft_loop -- --reps 20"
+    p.commands = {"capture": c, "info": info, "bench": b}
     return p
 
 
@@ -156,7 +183,9 @@ def _main(argv: list[str] | None) -> int:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _unknown(parser, args.command, unknown)
     if extra and args.command != "bench":
         parser.error(f"arguments after -- are for graphctl bench only, found {extra}")
     args.extra = extra

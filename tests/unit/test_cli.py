@@ -240,3 +240,18 @@ def test_several_draft_lengths_for_a_target_without_variants_is_one_line_exit_2(
     # Regression: issue 33, a factory that ignores draft_lens would capture one k and report it as several.
     rc, out = _capture(capsys, f"{TARGETS}:small", "--draft-len", "1", "3", "--max-batch", "2")
     assert rc == 2 and "returned no variants" in out, out
+
+
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["capture", "--hf-confg", "tiny"], "usage: graphctl capture", "did you mean '--hf-config'?"),
+    (["info", "--jsn"], "usage: graphctl info", "did you mean '--json'?"),
+    (["bench", "--reps", "3"], "usage: graphctl bench", "graphctl bench NAME -- --reps"),
+    (["captur"], "usage: graphctl ", "did you mean 'capture'?"),
+])
+def test_a_wrong_flag_gets_its_command_s_usage_and_the_closest_option(capsys, argv, usage, hint):
+    # Regression: issue 55, a misspelled flag printed the top-level usage, not the subcommand's, and no suggestion.
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and usage in err and hint in err, err
+    assert len(err.splitlines()) <= 12, err  # a usage and one line, not a traceback

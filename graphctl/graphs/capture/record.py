@@ -75,13 +75,13 @@ class Capture:
         inputs = opts.inputs
         if inputs is None:
             inputs = tuple(StaticInput(n) for n, v in arguments.items() if isinstance(v, torch.Tensor))
-            rows = {n: arguments[n].shape[0] if arguments[n].dim() else None for n in (si.name for si in inputs)}
-            if len(set(rows.values())) > 1:  # weights beside the batch: inputs= was meant
+            firsts = {n: arguments[n].shape[0] if arguments[n].dim() else None for n in (si.name for si in inputs)}
+            if len(set(firsts.values())) > 1:  # weights beside the batch: inputs= was meant
                 raise DeclarationError("every tensor argument is a static input by default, batched on dim 0, "
                                        "and theirs differ", expected="one batch size across the tensor arguments",
                                        found=", ".join(f"{n}: {r if r is not None else 'a 0-dim tensor'}"
-                                                       for n, r in rows.items()),
-                                       fix=f"name the batched ones: inputs=[{next(iter(rows))!r}]")
+                                                       for n, r in firsts.items()),
+                                       fix=f"name the batched ones: inputs=[{next(iter(firsts))!r}]")
         if not inputs:
             raise DeclarationError("the forward has no static input", expected="at least one tensor argument",
                                    found={n: type(v).__name__ for n, v in arguments.items()},
