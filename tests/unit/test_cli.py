@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from graphctl.cli import main
 from graphctl.cli.capture import SCHEMA, coverage_rows, derive_buckets
@@ -255,3 +256,42 @@ def test_a_wrong_flag_gets_its_command_s_usage_and_the_closest_option(capsys, ar
     err = capsys.readouterr().err
     assert ei.value.code == 2 and usage in err and hint in err, err
     assert len(err.splitlines()) <= 12, err  # a usage and one line, not a traceback
+
+
+def _doc_sample(title: str) -> tuple[list[str], list[str]]:
+    """docs/cli.md's sample under ``title``: its command's arguments and the lines it shows."""
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    block = doc.split(title, 1)[1].split("```\n", 1)[1].split("```", 1)[0].splitlines()
+    return block[0].removeprefix("$ graphctl ").split(), block[1:]
+
+
+def _shape(line: str) -> str:
+    """A line without what changes run to run: numbers, versions, column widths."""
+    import re
+
+    line = re.sub(r"[\s┃│┏┓┗┛┡┩└┘━╇╋┳┻─┬┴┼]+", " ", line)
+    return re.sub(r"\d+(\.\d+)*(\+\w+)?", "N", line).strip()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU sample: the emulated backend's output")
+def test_the_cli_doc_s_cpu_sample_is_what_the_cli_prints(capsys):
+    # Regression: issue 55, docs/cli.md's samples did not match what the CLI prints (a line missing, old columns).
+    argv, shown = _doc_sample("### Sample: CPU (emulated)")
+    rc = main([*argv, "--no-progress"])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    assert [_shape(ln) for ln in out] == [_shape(ln) for ln in shown]
+
+
+def test_the_cli_doc_lists_every_benchmark():
+    # Regression: issue 55, docs/cli.md listed 14 of the 16 benchmarks.
+    import pathlib
+    import re
+
+    from graphctl.cli.bench import available
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    listed = doc.split("first sentence: ", 1)[1].split(";", 1)[0]
+    assert set(re.findall(r"`(\w+)`", listed)) == set(available())
