@@ -340,3 +340,14 @@ def test_the_direct_eager_path_writes_and_attends_as_the_ops_do(gen, monkeypatch
     assert torch.equal(a_first, b_first) and torch.equal(a_logits, b_logits)
     assert all(torch.equal(x, y) for x, y in zip(a_kv, b_kv))
     assert torch.equal(a_kv[0][:2], a_kv[1][:2])  # the oracle draft's layers are the target's first two: same keys
+
+
+def test_per_step_capture_warns_about_nothing_it_cannot_act_on(caplog, gen):
+    # Regression: issue 55, per_step printed "the reach walk left state out: 8 objects past depth 8", with nothing the
+    # user could do about it (the forward read nothing past that depth).
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="graphctl"):
+        hf.assert_oracle("tiny-llama", 3, "per_step", gen, backend="emulated")
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and "reach walk" in r.getMessage()]
+    assert said == [], said

@@ -90,16 +90,21 @@ def capture_buckets(fn: Callable[..., Any], cap: Capture, opts: Options, argumen
     skip = _owned(p) | _sources(p.cap.state)
     checks, unchecked = rebinding.collect(last, p.cap.ledger.used, skip, rebinding.entries_of(p.cap.state))
     skip |= {storage_key(t) for t in _model_tensors(p.opts.params)}
-    if unchecked or last.cuts():
-        log.warning("graphctl: %s: the reach walk left state out: %s", name, "; ".join(
-            ([f"{sum(unchecked.values())} paths past the {rebinding.MAX_PATHS} checked per replay ("
-              + ", ".join(f"{c} {r}" for r, c in unchecked.items()) + ")"] if unchecked else [])
-            + ([last.cuts()] if last.cuts() else [])))
+    if unchecked:
+        log.warning("graphctl: %s: %d paths past the %d checked per replay (%s) are not checked for rebinding; "
+                    "pass the model as params= (its weights are then the audit's, not paths)", name,
+                    sum(unchecked.values()), rebinding.MAX_PATHS, ", ".join(f"{c} {r}" for r, c in unchecked.items()))
     reached = first.tensors.keys() | last.tensors.keys() | skip  # read before the forward ran, with no path to it
     p.cap.ledger.unreached = tuple(u for k, u in p.cap.ledger.external.items() if k not in reached)
+    # The walk's bounds matter only where the forward read something no path reaches: said there, with the cause.
+    # Objects past them that the forward never read from cost nothing (a hint for the curious: report().reach).
     if p.cap.ledger.unreached:
-        log.warning("graphctl: %s: tensors the graph reads that no checked path reaches: %s",
-                    name, "; ".join(map(str, p.cap.ledger.unreached)))
+        cut = f" (the reach walk stopped early: {last.cuts()}; pass that state as an argument)" if last.cuts() else ""
+        log.warning("graphctl: %s: tensors the graph reads that no checked path reaches%s: %s",
+                    name, cut, "; ".join(map(str, p.cap.ledger.unreached)))
+    elif last.cuts():
+        log.debug("graphctl: %s: the reach walk stopped early (%s); the forward read nothing past it", name,
+                  last.cuts())
     for b, st in sorted(stats.items()):
         if st["uncompiled"]:
             log.warning("graphctl: %s: bucket %d: dynamo was asked to convert %d frame(s) during the capture (a guard "
