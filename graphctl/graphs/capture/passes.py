@@ -92,7 +92,7 @@ def capture_buckets(fn: Callable[..., Any], cap: Capture, opts: Options, argumen
     skip |= {storage_key(t) for t in _model_tensors(p.opts.params)}
     if unchecked:
         log.warning("graphctl: %s: %d paths past the %d checked per replay (%s) are not checked for rebinding; "
-                    "pass the model as params= (its weights are then the audit's, not paths)", name,
+                    "weights go first: after rebinding one, call runner.repoint() or capture again", name,
                     sum(unchecked.values()), rebinding.MAX_PATHS, ", ".join(f"{c} {r}" for r, c in unchecked.items()))
     reached = first.tensors.keys() | last.tensors.keys() | skip  # read before the forward ran, with no path to it
     p.cap.ledger.unreached = tuple(u for k, u in p.cap.ledger.external.items() if k not in reached)
