@@ -33,6 +33,9 @@ def test_tokens_equal_transformers_generate(name, k, gen):
     assert [t.tolist() for t in got.tokens] == hf.reference(eng, name, prompts, NEW)
     if k:
         assert all(torch.equal(a, torch.full_like(a, k + 1)) for a in got.accepted[1:]), got.accepted
+        # Regression: issue 55, mean_accepted counted the first step's placeholder drafts (3.25 with an oracle that
+        # accepts every draft): only steps whose drafts a draft proposed count.
+        assert got.placeholder_steps == 1 and got.mean_accepted == k + 1, (got.mean_accepted, got.accepted)
 
 
 @pytest.mark.parametrize("bs", [1, 3, 8])

@@ -64,14 +64,19 @@ def oracle_draft(target: Any, layers: int = 2) -> Any:
 @dataclasses.dataclass
 class GenerateResult:
     tokens: list[torch.Tensor]  # per request: the generated tokens (EOS included when hit)
-    accepted: list[torch.Tensor]  # per step: accepted length of each request (1..k+1), on the host
+    # per step: accepted length of each request (1..k+1), on the host; a speculative run's first step verifies
+    # placeholder drafts (no draft has run before it), so accepted[0] says nothing about the draft
+    accepted: list[torch.Tensor]
     steps: int
     prefill_s: float = 0.0  # wall seconds of the prefill, device work included (synchronized)
     decode_s: float = 0.0  # wall seconds of the decode/speculative steps, device work included
+    placeholder_steps: int = 0  # leading steps of accepted whose drafts were placeholders (1 when speculative)
 
     @property
     def mean_accepted(self) -> float:
-        return float(torch.stack(self.accepted).float().mean()) if self.accepted else 0.0
+        """Mean accepted length a request a step, over the steps whose drafts a draft proposed."""
+        real = self.accepted[self.placeholder_steps:]
+        return float(torch.stack(real).float().mean()) if real else 0.0
 
 
 class HFEngine(MTPEngine):
@@ -360,7 +365,8 @@ class HFEngine(MTPEngine):
             if all(d or len(t) >= max_new_tokens for d, t in zip(done, out_tokens)):
                 break
         t2 = self._clock()
-        return GenerateResult([torch.tensor(t) for t in out_tokens], history, len(history), t1 - t0, t2 - t1)
+        return GenerateResult([torch.tensor(t) for t in out_tokens], history, len(history), t1 - t0, t2 - t1,
+                              placeholder_steps=1 if k else 0)
 
     def _clock(self) -> float:
         """Wall time once the device has finished what was queued (per-step latency for users)."""
