@@ -38,3 +38,16 @@ def test_the_readme_holds_no_bookkeeping_and_shows_the_two_commands():
     assert "@graphctl.graphed" in first_screen  # the simplest use, on the first screen
     numbers = re.findall(r"\d+\.\d+", text)
     assert len(numbers) <= 30, len(numbers)  # headline ratios only; the rest lives in docs/performance.md
+
+
+def test_the_transformers_doc_s_token_check_runs_as_it_is(tmp_path):
+    # Regression: issue 55, checking the HF engine's tokens against transformers' generate was shown only in
+    # tests/support/hf.py; docs/transformers.md now shows it, and it must run as written.
+    pytest.importorskip("transformers")
+    doc = (README.parent / "docs" / "transformers.md").read_text()
+    block = doc.split("### Check the tokens against transformers", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "check_tokens.py"
+    script.write_text(block)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "equal to transformers; mean accepted 4.00 of 4" in res.stdout, res.stdout
