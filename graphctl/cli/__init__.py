@@ -108,9 +108,10 @@ def _parser() -> _Parser:
     c.add_argument("--buckets", type=_buckets, metavar="LIST",
                    help="batch sizes (requests) to capture, e.g. --buckets 1,2,4,8 (default: derived from "
                         "--max-batch: powers of two and the maximum)")
-    c.add_argument("--max-batch", type=_positive, default=None, metavar="N",
-                   help="largest batch in requests: the buckets when --buckets is not given, and the batch sizes "
-                        "the coverage pass checks (1..N), e.g. --max-batch 32 (default: the largest bucket, or 64)")
+    c.add_argument("--max-batch", "--max-seqs", dest="max_batch", type=_positive, default=None, metavar="N",
+                   help="largest batch in requests (the engines' max_seqs): the buckets when --buckets is not "
+                        "given, and the batch sizes the coverage pass checks (1..N), e.g. --max-batch 32 (default: "
+                        "the largest bucket, or 64)")
     c.add_argument("--draft-len", type=_positive, nargs="+", default=[3], metavar="K",
                    help="draft tokens per request; a bucket of B requests holds B*(K+1) tokens, e.g. --draft-len 7 "
                         "(default 3; passed to the factory). Several values capture one runner with a graph set per "

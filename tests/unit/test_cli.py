@@ -295,3 +295,9 @@ def test_the_cli_doc_lists_every_benchmark():
     doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     listed = doc.split("first sentence: ", 1)[1].split(";", 1)[0]
     assert set(re.findall(r"`(\w+)`", listed)) == set(available())
+
+
+def test_max_seqs_names_the_largest_batch_as_the_engines_do(capsys):
+    # Regression: issue 55, the engines say max_seqs where the CLI said only --max-batch.
+    rc, out = _capture(capsys, "--max-seqs", "2", "--no-progress")
+    assert rc == 0 and "buckets [1, 2]" in out, out

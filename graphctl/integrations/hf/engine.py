@@ -89,7 +89,8 @@ class HFEngine(MTPEngine):
     another ``torch.compile`` backend (``"aot_eager"``: quick on a CPU). ``prefill_tokens``: the
     most tokens one prefill forward carries (every prompt in one ragged pass below it; chunked
     above it), which also sizes the metadata's token buffers (never fewer than a step's
-    ``max_seqs * (draft_len + 1)``)."""
+    ``max_seqs * (draft_len + 1)``). ``max_seqs`` is the largest batch, in requests (the CLI's
+    ``--max-batch``, which ``--max-seqs`` also names)."""
 
     target_layers: Any  # the transformers models (the reference engine's are lists of its own layers)
     draft_layers: Any
