@@ -30,7 +30,8 @@ venv: $(VENV)/.deps
 $(VENV)/.built: $(VENV)/.deps setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 	@echo "graphctl setup 2/3: compiling graphctl._C, installing graphctl and its dev tools (CPU kernels: 2-3 min; with CUDA kernels, on a GPU machine: 5-7 min)"
 	@# setuptools' editable-install notice (a warning, whatever the mode) is not for a newcomer to read
-	PYTHONWARNINGS="ignore:Editable installation" $(PIP) install -q --no-build-isolation -e '.[dev]'
+	@# pip -v, shown as a line per compiled source (scripts/build-progress.py): -q showed nothing for minutes
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) scripts/build-progress.py $(PIP) install -v --no-build-isolation -e '.[dev]'
 	touch $@
 
 build: $(VENV)/.built

@@ -155,3 +155,27 @@ def test_a_failed_build_leaves_no_build_folder_or_build_record_behind(tmp_path):
     assert r.returncode != 0
     assert not (tmp_path / "build").exists(), os.listdir(tmp_path)
     assert not (tmp_path / "graphctl" / "_build.json").exists()
+
+
+def test_the_build_shows_its_progress_and_a_failure_s_last_lines(tmp_path):
+    # Regression: issue 55, `make demo` on a fresh clone showed nothing for the minutes the extension compiled
+    # (pip -q); scripts/build-progress.py turns pip -v into a line per compiled source and keeps the exit code.
+    import subprocess
+    import sys
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    fake = tmp_path / "fake_build.py"
+    fake.write_text("print('graphctl build: CPU kernels only, because no GPU')\n"
+                    "print('graphctl build: CPU kernels only, because no GPU')\n"
+                    "print('noise ' * 20)\n"
+                    "print('[1/2] c++ -MMD -c /src/graphctl/csrc/checks.cpp -o checks.o')\n"
+                    "print('[2/2] c++ -MMD -c /src/graphctl/csrc/switch_table.cpp -o s.o')\n"
+                    "print('error: something broke')\n"
+                    "raise SystemExit(3)\n")
+    res = subprocess.run([sys.executable, str(root / "scripts" / "build-progress.py"), sys.executable, str(fake)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 3
+    assert res.stdout.count("graphctl build: CPU kernels only") == 1, res.stdout
+    assert "compiling 1/2: checks.cpp" in res.stdout and "compiling 2/2: switch_table.cpp" in res.stdout
+    assert "noise" not in res.stdout
+    assert "the build failed (exit 3)" in res.stderr and "error: something broke" in res.stderr
