@@ -14,6 +14,7 @@ from graphctl.errors import (
                              OutputsHeldWarning,
                              ReplayError,
                              RepointError,
+                             SamplingError,
                              StaleBufferError,
                              SwitchError,
 )
@@ -40,7 +41,8 @@ __all__ = [
     "Swap", "CopyInPlace", "Recompute", "OpCall", "Stable", "Persistent", "Pad",
     "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError", "ConcurrentUseError",
     "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
-    "RepointError", "OutputsHeldWarning", "graphed", "GraphRunner", "VariantRunner", "StaticInput", "Report", "Key",
+    "RepointError", "SamplingError", "OutputsHeldWarning",
+    "graphed", "GraphRunner", "VariantRunner", "StaticInput", "Report", "Key",
     "CaptureTarget", "eager",
     "knobs", "ops", "__version__",
 ]

@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ["noted", "GraphctlError", "DeclarationError", "BindError", "SwitchError", "NestedSwitchError",
            "ConcurrentUseError", "CorruptedStateError", "StaleBufferError", "CaptureError", "ReplayError",
-           "RepointError", "OutputsHeldWarning", "did_you_mean"]
+           "RepointError", "SamplingError", "OutputsHeldWarning", "did_you_mean"]
 
 _MISSING = object()
 
@@ -134,6 +134,12 @@ class ReplayError(GraphctlError):
 class RepointError(ReplayError):
     """Captured graphs cannot be re-pointed at a new state's buffers (``runner.repoint``): the
     layouts differ, or an old address sits where it cannot be rewritten safely. Nothing changed."""
+
+
+class SamplingError(GraphctlError, ValueError):
+    """A sampling setting out of its range or of the wrong type (``temperature``, ``top_k``,
+    ``top_p``, a seed, a per-prompt list of the wrong length). Raised before anything changed:
+    no generator reseeded, no state written. A ``ValueError`` too."""
 
 
 class OutputsHeldWarning(UserWarning):

@@ -169,6 +169,11 @@ class PerStepLoop:
     def __init__(self, eng: MTPEngine, buckets: Sequence[int], backend: str = "auto",
                  sampling: Sampling | None = None) -> None:
         self.eng, self.sampling, k, k1 = eng, sampling, eng.k, eng.k + 1
+        # what inspect.signature reports: the call _args accepts (generate checks a forward against it)
+        pos = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        self.__signature__ = inspect.Signature([inspect.Parameter(n, pos) for n in
+                                                ("input_ids",) + (("meta",) if sampling is None else
+                                                                  ("draft_probs", "meta", "sampling"))])
         ins = [StaticInput("input_ids", per_item=k1)]
         if sampling is not None:
             ins.append(StaticInput("draft_probs", per_item=k))

@@ -16,15 +16,18 @@ frozen host value: a graph bakes it (a setting per runner, or a variant per sett
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import numbers
 from typing import Any
 
 import torch
 
+from graphctl.errors import SamplingError
 from graphctl.ops.sampling import noise, probs_from_logits, race, sample, speculative_accept
 from graphctl.state import StateSpec, Swap
 
-__all__ = ["Sampling", "with_generators", "attach_generators", "sample_step", "sample_tokens", "accept_sampled",
-           "draft_noise"]
+__all__ = ["check_forward", "check_seed", "Sampling", "with_generators", "attach_generators", "sample_step",
+           "sample_tokens", "accept_sampled", "draft_noise"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,6 +112,9 @@ def sample_tokens(eng: Any, prompts: Any, steps: int, sampling: Sampling, forwar
     ``forward`` (``eng.sample_step`` or a ``@graphed`` wrapper of it); each request's emitted
     tokens (host, int64). ``seed`` reseeds both generators first (``seed``, ``seed + 1``)."""
     m = eng.meta
+    check_seed(seed)  # before anything changes: a refused call reseeds nothing
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps: expected an int >= 0, found {steps!r}")
     if seed is not None:
         m.generator.manual_seed(seed)
         m.draft_generator.manual_seed(seed + 1)
@@ -136,3 +142,40 @@ def sample_tokens(eng: Any, prompts: Any, steps: int, sampling: Sampling, forwar
         context = context + acc.to(torch.int32)
         token, drafts, laws = out.bonus.clone(), out.drafts.clone(), out.draft_probs.clone()
     return [torch.tensor(t) for t in out_tokens]
+
+
+def check_seed(seed: Any) -> None:
+    """``seed`` is None or an int a generator takes (:class:`~graphctl.errors.SamplingError`)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                             or not 0 <= int(seed) < 2**63 - 1):
+        raise SamplingError("a seed must be an int >= 0", buffer="seed", expected="None or an int in [0, 2**63 - 1)",
+                            found=repr(seed), fix="pass e.g. seed=3")
+
+
+def check_forward(forward: Any, sampled: bool, k: int, extra: int) -> None:
+    """A ``generate`` forward takes the call generation makes: ``(ids, meta)`` greedy, ``(ids,
+    draft_probs, meta, sampling)`` sampled (``(token, meta, sampling)`` at k 0), then ``extra``
+    (the draft length). Refused before anything ran (a greedy graphed step given a temperature
+    failed with ``TypeError: too many positional arguments`` after the prefill had drawn)."""
+    if forward is None:
+        return
+    try:
+        sig = inspect.signature(forward)
+    except (TypeError, ValueError):  # a builtin without a signature: its own call says
+        return
+    n = (4 if k else 3) + extra if sampled else 2 + extra
+    try:
+        sig.bind(*([None] * n))
+        return
+    except TypeError:
+        pass
+    name = forward.__name__ if inspect.isroutine(forward) else type(forward).__name__
+    if sampled:
+        raise SamplingError(
+            "a sampled generate needs a sampled step", buffer="forward",
+            expected="forward(input_ids, draft_probs, meta, sampling[, k]) (sample_step or its graphed form)",
+            found=f"{name}{sig}", fix="pass forward=graphed_step(eng, sampling=Sampling(temperature, top_k, "
+                                       "top_p)), or forward=None (eager), or temperature=0 for this greedy step")
+    raise SamplingError("a greedy generate needs a greedy step", buffer="forward",
+                        expected="forward(input_ids, meta[, k]) (step or its graphed form)", found=f"{name}{sig}",
+                        fix="pass the temperature the step was captured with, or forward=graphed_step(eng)")

@@ -23,11 +23,15 @@ here, in the reference's order, and hands them to the kernel).
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
+from graphctl.errors import SamplingError
 from graphctl.ops.triton_pick import TritonPick
 
-__all__ = ["probs_from_logits", "sample", "noise", "race", "speculative_accept"]
+__all__ = ["TEMPERATURE_FLOOR", "probs_from_logits", "sample", "noise", "race", "speculative_accept"]
 
 _Setting = float | int | torch.Tensor
 
@@ -39,13 +43,29 @@ def _column(v: _Setting, rows: int, like: torch.Tensor) -> torch.Tensor:
     return torch.full((rows, 1), float(v), device=like.device, dtype=torch.float32)
 
 
+# Below this temperature a row is greedy: logits / t overflow float32 as t nears its normal range (1e-39 made every
+# row NaN and drew token 0); vLLM draws the same line (its sampling epsilon).
+TEMPERATURE_FLOOR = 1e-5
+
+
 def _check(temperature: _Setting, top_k: _Setting, top_p: _Setting) -> None:
-    for name, v, ok in (("temperature", temperature, lambda x: x >= 0), ("top_k", top_k, lambda x: x >= 0),
-                        ("top_p", top_p, lambda x: 0 < x <= 1)):
-        if isinstance(v, torch.Tensor):
-            continue  # per-row device settings: checked by whoever fills them (a check here would sync)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-            raise ValueError(f"{name}={v!r}: expected temperature >= 0, top_k >= 0 (0: off), 0 < top_p <= 1")
+    """Host settings in range and of the right type (:class:`~graphctl.errors.SamplingError`);
+    per-row device tensors are checked by whoever fills them (a check here would sync)."""
+    if not isinstance(temperature, torch.Tensor) and (
+            isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)
+            or not math.isfinite(temperature) or temperature < 0):
+        raise SamplingError("a sampling temperature must be a finite number >= 0", buffer="temperature",
+                            expected=f"0 (greedy) or a finite float > 0 (below {TEMPERATURE_FLOOR}: greedy)",
+                            found=repr(temperature), fix="pass temperature=0.0 for greedy, or e.g. 0.8")
+    if not isinstance(top_k, torch.Tensor) and (
+            isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0):
+        whole = int(top_k) if isinstance(top_k, float) and math.isfinite(top_k) and top_k >= 0 else 0
+        raise SamplingError("top_k must be an int >= 0 (0: off)", buffer="top_k", expected="an int >= 0",
+                            found=repr(top_k), fix=f"pass an int: top_k={whole}")
+    if not isinstance(top_p, torch.Tensor) and (
+            isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
+        raise SamplingError("top_p must be in (0, 1] (1: off)", buffer="top_p", expected="0 < top_p <= 1",
+                            found=repr(top_p), fix="pass e.g. top_p=0.9, or 1.0 for no nucleus filtering")
 
 
 def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: _Setting = 0,
@@ -56,7 +76,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
     the least likely one kept (ties never split by sort order: the same set on every device)."""
     _check(temperature, top_k, top_p)
     rows, vocab = logits.shape
-    if not isinstance(temperature, torch.Tensor) and temperature <= 0:  # greedy: nothing else matters
+    if not isinstance(temperature, torch.Tensor) and temperature < TEMPERATURE_FLOOR:  # greedy: nothing else matters
         return _onehot(logits)
     if not isinstance(temperature, torch.Tensor) and not isinstance(top_p, torch.Tensor) and \
             not isinstance(top_k, torch.Tensor) and (not top_k or top_k >= vocab):
@@ -91,7 +111,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
         p = torch.where(x >= xs.gather(-1, keep - 1), p, 0.0)
         p = p / p.sum(-1, keepdim=True)
     if isinstance(temperature, torch.Tensor):
-        p = torch.where(_column(temperature, rows, x) <= 0, _onehot(logits), p)
+        p = torch.where(_column(temperature, rows, x) < TEMPERATURE_FLOOR, _onehot(logits), p)
     return p
 
 
@@ -112,7 +132,7 @@ def _scale(temperature: _Setting, rows: int, like: torch.Tensor) -> torch.Tensor
     if not isinstance(temperature, torch.Tensor):
         return float(temperature)
     t = _column(temperature, rows, like)
-    return torch.where(t <= 0, torch.ones_like(t), t)
+    return torch.where(t < TEMPERATURE_FLOOR, torch.ones_like(t), t)
 
 
 def _onehot(logits: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from graphctl import (
     Registry,
     ReplayError,
     RepointError,
+    SamplingError,
     Stable,
     StaleBufferError,
     StateSpec,
@@ -617,6 +618,28 @@ def _region_fullgraph():
     graphed(cf, buckets=[2], backend="emulated", progress=False).capture_all(torch.ones(2, 3))
 
 
+def _probs(**settings):
+    from graphctl.ops.sampling import probs_from_logits
+
+    return probs_from_logits(torch.rand(2, 5, generator=G()), **settings)
+
+
+def _check_seed(seed):
+    from graphctl.models.sampled import check_seed
+
+    check_seed(seed)
+
+
+def _check_forward_greedy_sampled():
+    from graphctl.models.sampled import check_forward
+
+    def step(input_ids, meta, k=None):
+        return input_ids
+
+    check_forward(step, True, 3, 0)
+
+
+
 CASES: list[Case] = [
     # ---- declaration errors (StateSpec / register)
     Case(
@@ -1125,6 +1148,42 @@ CASES: list[Case] = [
     ),
     Case("use-stale", StaleBufferError, "use", "an input written behind graphctl's back (debug check)", _stale),
     Case("use-write-refresh", SwitchError, "use", "write() inside the runner's refresh switch", _write_refresh),
+    # ---- sampling settings (ops/sampling.py, models/sampled.py)
+    Case(
+        "sampling-temperature",
+        SamplingError,
+        "use",
+        "a temperature that is not a finite number >= 0 (inf, nan, -1)",
+        lambda: _probs(temperature=float("inf"), top_k=2),
+    ),
+    Case(
+        "sampling-top-k",
+        SamplingError,
+        "use",
+        "top_k that is not an int >= 0 (2.7)",
+        lambda: _probs(top_k=2.7),
+    ),
+    Case(
+        "sampling-top-p",
+        SamplingError,
+        "use",
+        "top_p outside (0, 1]",
+        lambda: _probs(top_p=0.0),
+    ),
+    Case(
+        "sampling-seed",
+        SamplingError,
+        "use",
+        "a seed that is not an int >= 0",
+        lambda: _check_seed(-1),
+    ),
+    Case(
+        "sampling-forward",
+        SamplingError,
+        "use",
+        "a sampled generate through a greedy step (generate(..., graphed_step(eng), temperature=0.8))",
+        lambda: _check_forward_greedy_sampled(),
+    ),
     # ---- graph errors (@graphed / GraphRunner)
     Case(
         "graph-buckets",

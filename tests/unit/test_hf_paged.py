@@ -354,3 +354,29 @@ def test_per_step_capture_warns_about_nothing_it_cannot_act_on(caplog, gen):
         hf.assert_oracle("tiny-llama", 3, "per_step", gen, backend="emulated")
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and "reach walk" in r.getMessage()]
     assert said == [], said
+
+
+def test_a_refused_generate_changes_nothing_and_a_greedy_step_asked_to_sample_says_how(gen):
+    # Regression: issue 53, a generate refused for a bad max_new_tokens had already reseeded both generators; the
+    # natural call `generate(prompts, n, graphed_step(eng), temperature=0.8)` failed with a raw TypeError after the
+    # prefill had drawn.
+    import graphctl
+    from graphctl.models import Sampling
+
+    eng = hf.engine("tiny-llama", 3, hf.seed_of(gen))
+    prompts = hf.prompts(3, gen)
+    before = (eng.meta.generator.get_state().clone(), eng.meta.draft_generator.get_state().clone())
+    greedy = graphed_step(eng, "unrolled", buckets=(1, 2, 4), backend="emulated")
+    refused = [dict(max_new_tokens=0, seed=5), dict(max_new_tokens=4, seed=-1, temperature=0.8),
+               dict(max_new_tokens=4, top_k=2.7, seed=5), dict(max_new_tokens=4, temperature=float("inf"), seed=5),
+               dict(max_new_tokens=4, forward=greedy, temperature=0.8, seed=5)]
+    for kw in refused:
+        with pytest.raises(ValueError) as ei:  # SamplingError is a ValueError too
+            eng.generate(prompts, **kw)
+        after = (eng.meta.generator.get_state(), eng.meta.draft_generator.get_state())
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), kw  # nothing reseeded, nothing drawn
+    assert isinstance(ei.value, graphctl.SamplingError) and "graphed_step(eng, sampling=Sampling(" in str(ei.value)
+    sampled = graphed_step(eng, "unrolled", buckets=(1, 2, 4), backend="emulated", sampling=Sampling(0.8, 0, 1.0))
+    got = eng.generate(prompts, 4, sampled, temperature=0.8, seed=5)  # the fix
+    want = eng.generate(prompts, 4, temperature=0.8, seed=5)  # eager, the same seed: the same tokens
+    assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]

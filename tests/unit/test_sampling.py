@@ -301,3 +301,29 @@ def test_a_frozen_settings_record_is_a_frozen_argument_compared_by_value(gen):
     with pytest.raises(graphctl.ReplayError, match="frozen argument differs") as err:
         run(x, Sampling(0.5, 3, 0.9))
     assert "temperature=0.8" in err.value.expected and "temperature=0.5" in str(err.value.found)
+
+
+@pytest.mark.parametrize("bad, name", [({"temperature": float("inf"), "top_k": 2}, "temperature"),
+                                       ({"temperature": float("nan")}, "temperature"),
+                                       ({"top_k": 2.7}, "top_k"), ({"top_p": float("nan")}, "top_p")])
+def test_edge_settings_are_typed_errors_not_silent_garbage(bad, name):
+    # Regression: issue 53, temperature inf with top_k=2 kept every token; top_k=2.7 was taken as 2.
+    import graphctl
+
+    with pytest.raises(graphctl.SamplingError) as ei:
+        probs_from_logits(torch.randn(2, 5), **bad)
+    assert ei.value.buffer == name and isinstance(ei.value, ValueError) and "Fix:" in str(ei.value)
+
+
+@pytest.mark.parametrize("t", [1e-39, 1e-30, 9e-6])
+def test_a_temperature_below_the_floor_is_greedy_not_nan(t, gen):
+    # Regression: issue 53, temperature 1e-39 turned every row into NaN and drew token 0.
+    from graphctl.ops.sampling import TEMPERATURE_FLOOR, sample
+
+    logits = torch.randn(4, 33, generator=gen) * 5
+    got = probs_from_logits(logits, t)
+    assert t < TEMPERATURE_FLOOR and not got.isnan().any()
+    assert torch.equal(got, torch.nn.functional.one_hot(logits.argmax(-1), 33).float())
+    assert torch.equal(sample(got, gen), logits.argmax(-1))
+    per_row = probs_from_logits(logits, torch.tensor([t, 0.0, 1.0, t]))  # per-row device settings: the same floor
+    assert not per_row.isnan().any() and torch.equal(per_row[0], got[0]) and torch.equal(per_row[3], got[3])

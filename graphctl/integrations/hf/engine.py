@@ -27,8 +27,8 @@ from graphctl.families.paged import KVCacheManager, PagedMetadata, paged_spec
 from graphctl.graphs.capture.compiled import is_compiled
 from graphctl.integrations.hf.attention import ATTENTION, PagedBatch, register
 from graphctl.models.mtp import EngineConfig, MTPEngine
-from graphctl.models.sampled import Sampling, attach_generators, with_generators
-from graphctl.ops.sampling import sample
+from graphctl.models.sampled import Sampling, attach_generators, check_forward, check_seed, with_generators
+from graphctl.ops.sampling import TEMPERATURE_FLOOR, sample
 from graphctl.state import Registry, StateSpec, bind
 
 __all__ = ["HFEngine", "GenerateResult", "oracle_draft", "uses_paged_attention"]
@@ -303,13 +303,12 @@ class HFEngine(MTPEngine):
         ``sample_decode_step`` or their graphed forms (``graphed_step(..., sampling=...)``).
         ``seed`` reseeds the target's and the draft's generators (``seed``, ``seed + 1``): one seed,
         the same tokens, eager or graphed, at any bucket."""
+        # every argument checked before anything changes: a refused call reseeds no generator
         self.check_prompts(prompts)
         spec = Sampling(temperature, top_k, top_p)  # checked even at temperature 0
-        sampling = spec if temperature > 0 else None
-        if seed is not None:
-            self.meta.generator.manual_seed(seed)
-            self.meta.draft_generator.manual_seed(seed + 1)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        sampling = spec if temperature >= TEMPERATURE_FLOOR else None
+        check_seed(seed)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected a positive int, found {max_new_tokens!r}")
         extra = () if k is None else (k,)  # a forward of (ids, meta) keeps working without k
         n, k, m = len(prompts), self.draft_len(k), self.meta
@@ -318,6 +317,10 @@ class HFEngine(MTPEngine):
         if need > self.cfg.max_context:
             raise ValueError(f"max_context={self.cfg.max_context} too small: prompts up to {int(context.max())} "
                              f"tokens + {max_new_tokens} new + {3 * k + 3} of speculation need {need}")
+        check_forward(forward, sampling is not None, k, len(extra))
+        if seed is not None:
+            self.meta.generator.manual_seed(seed)
+            self.meta.draft_generator.manual_seed(seed + 1)
         t0 = self._clock()
         token = self.prefill(prompts, prefill, sampling)
         t1 = self._clock()
