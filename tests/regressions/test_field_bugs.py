@@ -581,3 +581,15 @@ def test_a_tensor_reached_by_no_path_is_listed_at_capture(backend, device, caplo
     table["scale"] = table["scale"].clone()  # the reached one is checked (through a dict key): rebound is named
     with pytest.raises(graphctl.ReplayError, match=r"table\['scale'\]"):
         f(x)
+
+
+def test_an_output_that_is_the_static_input_is_checked_like_any_output(backend, device):
+    # Regression: issue 55, an output aliasing graphctl's static input (a forward returning its input) was treated
+    # as the caller's own memory and left unchecked: it read the next call's input silently.
+    import graphctl
+
+    f = graphctl.graphed(lambda x: (x, x * 2), buckets=[4], inputs=["x"], backend=backend, progress=False)
+    first = f(torch.randn(4, 3).to(device))
+    f(torch.randn(4, 3).to(device))
+    with pytest.raises(RuntimeError, match="overwritten since by the call at"):
+        first[0].sum()

@@ -11,8 +11,9 @@ that returned them, the call that overwrote them and the fix. Nothing is paid pe
 outputs alternate between calls, so ``logits = step(x)`` in a loop (the old outputs still named
 during the next call, dropped right after) gets its set back unmarked at the call after next,
 with no new tensor made; a set still held then stays marked for good and a fresh one is made.
-An output that aliases a static input or a state buffer (the caller's own memory) is handed out
-as a plain view, unchecked; one that DLPack cannot carry (quantized, conjugated) is marked on its
+An output that aliases a declared state buffer (the caller's own memory) is handed out as a
+plain view, unchecked (one aliasing a static input is checked like any output, against its own
+bucket's replays: a call at another bucket loads the shared static input unseen); one that DLPack cannot carry (quantized, conjugated) is marked on its
 own tensor (views taken of it earlier are not caught).
 
 Under ``GRAPHCTL_CHECK_OUTPUTS=1`` every returned tensor is a :class:`Watched` view instead that
@@ -142,7 +143,9 @@ class Handouts:
                 continue
             st = t.untyped_storage()
             lo = st.data_ptr()
-            caller_memory = any(lo <= a < lo + st.nbytes() for a in cap.manifest.values())
+            # a declared state buffer is the caller's own memory; a static input is graphctl's (each call loads it)
+            caller_memory = any(lo <= a < lo + st.nbytes() for n, a in cap.manifest.items()
+                                if not n.startswith("input:"))
             kinds.append(_PLAIN if caller_memory else _ALIAS)
         self._kinds = kinds
         self._sets: list[_Set | None] = [None, None]
