@@ -13,8 +13,9 @@ during the next call, dropped right after) gets its set back unmarked at the cal
 with no new tensor made; a set still held then stays marked for good and a fresh one is made.
 An output that aliases a declared state buffer (the caller's own memory) is handed out as a
 plain view, unchecked (one aliasing a static input is checked like any output, against its own
-bucket's replays: a call at another bucket loads the shared static input unseen); one that DLPack cannot carry (quantized, conjugated) is marked on its
-own tensor (views taken of it earlier are not caught).
+bucket's replays: a call at another bucket loads the shared static input unseen); one that
+DLPack cannot carry (quantized, conjugated) is marked on its own tensor (views taken of it
+earlier are not caught).
 
 Under ``GRAPHCTL_CHECK_OUTPUTS=1`` every returned tensor is a :class:`Watched` view instead that
 remembers which bucket produced it, at which replay, from which line; any torch operation on it
