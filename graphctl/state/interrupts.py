@@ -23,6 +23,7 @@ from __future__ import annotations
 import _signal
 import signal
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -147,7 +148,10 @@ class ExitGuard:
         self.codes, self.active = codes, False
         self.saved: Callable[[int, Any], object] = _signal.default_int_handler  # replaced by install()
         self.pending: list[tuple[int, Any]] = []
-        self.owner = id(owner)  # the switch it guards (by id: a guard left installed must not keep it alive)
+        # the switch it guards, weakly (a guard left installed must not keep it alive); not by id(): a guard left
+        # installed by a switch since collected took a new switch at the same address for its own, held that
+        # switch's Ctrl-C at the last line of its __exit__ and never delivered it (a flake of the interrupt sweep)
+        self.owner = weakref.ref(owner)
         self.handle = self._handle  # one bound method: compared by identity on removal
 
     def install(self) -> ExitGuard:
@@ -163,7 +167,7 @@ class ExitGuard:
             # in its own switch's __exit__ before the held section, or in its own remove() (which delivers what it
             # holds at its end); a guard left installed by a switch that never exited holds nothing of others
             me = frame.f_locals.get("self")
-            mine = id(me) == self.owner if frame.f_code in self.codes else me is self
+            mine = self.owner() is me if frame.f_code in self.codes else me is self
             if mine and (self.active or frame.f_code is _REMOVE):
                 self.pending.append((signum, frame))
                 return

@@ -100,7 +100,7 @@ class Switch:
     the whole switch before it propagates (the ``with`` body never ran, so its ``__exit__``
     would not)."""
 
-    __slots__ = ("state", "role", "phase", "resolve", "applied", "before", "used", "frame", "guard")
+    __slots__ = ("state", "role", "phase", "resolve", "applied", "before", "used", "frame", "guard", "__weakref__")
 
     def __init__(self, state: Owner, role: str, phase: str, resolve: Mapping[str, str]) -> None:
         self.state, self.role, self.phase, self.resolve = state, role, phase, resolve

@@ -763,3 +763,33 @@ def test_a_recompute_fn_returning_its_result_is_refused_and_the_switch_restores(
             assert m.req_idx_per_token[:5].tolist() == [0, 1, 2, 3, 4]
             assert torch.equal(m.slot_mapping, m.block_offsets[:, 0].long() * 64 + m.kv_lens)
     _assert_same(st, before)
+
+
+def test_a_guard_left_by_a_dead_switch_never_claims_a_new_switch_at_its_address(gen):
+    # Regression: issue 55's loaded run, a flake of the interrupt sweep: an ExitGuard knew its switch by id(); left
+    # installed after that switch was collected, it took a new switch allocated at the same address for its own and
+    # held that switch's Ctrl-C (at the last line of its __exit__) without ever delivering it.
+    import signal
+    import types
+
+    from graphctl.state.interrupts import ExitGuard
+    from graphctl.state.transaction import _EXIT_CODES, Switch
+
+    st = bind(MiniMetadata(gen), registry=make_registry())
+    dead = Switch(st, "draft", "eager", {})
+    guard = ExitGuard(_EXIT_CODES, dead)
+    guard.saved, guard.active = signal.default_int_handler, True  # as install() leaves it, without touching SIGINT
+    address = id(dead)
+    del dead  # freed here (no cycle): its block is the allocator's next one of that size
+    new = None
+    for _ in range(1000):  # CPython hands a freed block of the same size back at once: the address comes back
+        candidate = Switch(st, "draft", "eager", {})
+        if id(candidate) == address:
+            new = candidate
+            break
+    if new is None:
+        pytest.skip("the allocator did not reuse the address (the condition this test needs)")
+    frame = types.SimpleNamespace(f_code=Switch.__exit__.__code__, f_locals={"self": new})
+    with pytest.raises(KeyboardInterrupt):  # forwarded to the handler it saved: not held as its own
+        guard._handle(signal.SIGINT, frame)
+    assert guard.pending == []
