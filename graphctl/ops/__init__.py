@@ -20,7 +20,7 @@ from graphctl.ops import reference
 from graphctl.ops._load import STATUS, ExtensionStatus
 
 __all__ = ["swap_through_", "copy_", "fingerprint", "token_to_request_", "loop_condition_", "switch_table", "all_bound",
-           "paths_hold", "tensors_hold", "handed_checks", "caller", "caller_fn",
+           "paths_hold", "tensors_hold", "handed_checks", "caller_fn",
            "RECOMPUTE_OPS", "OpArg",
            "extension_status",
            "uses_extension", "reference"]
@@ -164,17 +164,11 @@ def handed_checks() -> tuple[Callable[[tuple], tuple[int, ...]], Callable[[tuple
     return reference.handed_counts, reference.handed_held
 
 
-def caller(prefixes: tuple[str, ...], parts: tuple[str, ...], walk: Callable[[], Any]) -> Any:
-    """The innermost Python frame whose file neither starts with one of ``prefixes`` nor contains
-    one of ``parts``, as ``(code object, line)`` (``(None, 0)`` if none), in one C call; ``walk()``
-    (``graphctl.graphs.findings.frames``' Python walk, its reference) without the extension."""
-    if _C is not None and uses_extension():
-        return _C.caller(prefixes, parts)
-    return walk()
-
-
 def caller_fn(prefixes: tuple[str, ...], parts: tuple[str, ...], walk: Callable[[], Any]) -> Callable[[], Any]:
-    """:func:`caller` as a callable taken once (no Python frame of its own on a hot path)."""
+    """The innermost Python frame whose file neither starts with one of ``prefixes`` nor contains
+    one of ``parts``, as ``(code object, line)`` (``(None, 0)`` if none): a callable taken once,
+    ``graphctl._C.caller`` bound to its arguments, or ``walk`` (``graphctl.graphs.findings.frames``'
+    Python walk, its reference) without the extension."""
     if _C is not None and uses_extension():
         return functools.partial(_C.caller, prefixes, parts)
     return walk

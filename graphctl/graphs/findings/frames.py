@@ -13,12 +13,22 @@ import torch
 
 from graphctl import ops
 
-__all__ = ["GRAPHCTL_DIR", "caller", "caller_fn", "shown", "user_frame"]
+__all__ = ["GRAPHCTL_DIR", "caller_fn", "shown", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 GRAPHCTL_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../graphctl
 # graphctl's machinery; its reference engine (graphctl/models) is model code like a user's
 _INTERNAL_DIRS = tuple(os.path.join(GRAPHCTL_DIR, d) + os.sep for d in ("graphs", "state", "ops", "cli", "testing"))
+
+
+_INTERNAL_DIRS_AND_TORCH = (_TORCH_DIR, *_INTERNAL_DIRS)
+_INTERNAL_PARTS = ("<frozen",)
+
+
+def _machinery(filename: str) -> bool:
+    """A file of torch's or graphctl's machinery (both walks ask this; csrc/handouts.cpp takes the
+    same two tuples)."""
+    return filename.startswith(_INTERNAL_DIRS_AND_TORCH) or any(p in filename for p in _INTERNAL_PARTS)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -27,7 +37,7 @@ def _shown(filename: str, cwd: str) -> str | None:
     (once a file and directory)."""
     f = os.path.join(cwd, filename) if not os.path.isabs(filename) else filename
     f = os.path.normpath(f)
-    if f.startswith(_TORCH_DIR) or f.startswith(_INTERNAL_DIRS) or "<frozen" in f:
+    if _machinery(f):
         return None
     rel = os.path.relpath(f, cwd)
     return f if rel.startswith("..") else rel
@@ -47,8 +57,6 @@ def user_frame() -> str:
     return "<unknown>"
 
 
-_INTERNAL_DIRS_AND_TORCH = (_TORCH_DIR, *_INTERNAL_DIRS)
-_INTERNAL_PARTS = ("<frozen",)
 # id(code object) -> torch's or graphctl's machinery; the code objects kept alive beside it, so an id
 # is never reused while it is a key (a code object's own hash walks its fields: ids are cheaper)
 _INTERNAL_CODE: dict[int, bool] = {}
@@ -59,27 +67,21 @@ def _internal(code: types.CodeType) -> bool:
     if len(_KEPT) > 4096:
         _INTERNAL_CODE.clear()
         _KEPT.clear()
-    f = code.co_filename
-    v = _INTERNAL_CODE[id(code)] = f.startswith(_INTERNAL_DIRS_AND_TORCH) or any(p in f for p in _INTERNAL_PARTS)
+    v = _INTERNAL_CODE[id(code)] = _machinery(code.co_filename)
     _KEPT.append(code)
     return v
 
 
-def caller() -> tuple[types.CodeType | None, int]:
-    """:func:`user_frame` as a raw key (code object, line), for the call path, which records where
-    each call came from and formats it (:func:`shown`) only when it must say so: one C call
-    (``graphctl._C.caller``, code objects' verdicts cached by address), or :func:`_walk`."""
-    return ops.caller(_INTERNAL_DIRS_AND_TORCH, _INTERNAL_PARTS, _walk)
-
-
 def caller_fn() -> Callable[[], tuple[types.CodeType | None, int]]:
-    """:func:`caller` without its Python frame, for a hot path that takes it once: the C call
-    bound to its arguments, or the Python walk."""
+    """:func:`user_frame` as a raw key (code object, line), for the call path, which records where
+    each call came from and formats it (:func:`shown`) only when it must say so. A callable taken
+    once (no Python frame of its own on the hot path): ``graphctl._C.caller`` bound to its
+    arguments (code objects' verdicts cached by address), or :func:`_walk`."""
     return ops.caller_fn(_INTERNAL_DIRS_AND_TORCH, _INTERNAL_PARTS, _walk)
 
 
 def _walk() -> tuple[types.CodeType | None, int]:
-    """:func:`caller` in Python, its reference: a dict lookup a frame."""
+    """:func:`caller_fn`'s walk in Python, its reference: a dict lookup a frame."""
     frame: types.FrameType | None = sys._getframe(1)
     get = _INTERNAL_CODE.get
     while frame is not None:
@@ -94,7 +96,7 @@ def _walk() -> tuple[types.CodeType | None, int]:
 
 
 def shown(at: tuple[types.CodeType | None, int]) -> str:
-    """A :func:`caller` key as :func:`user_frame` writes it (``file.py:12``)."""
+    """A :func:`caller_fn` key as :func:`user_frame` writes it (``file.py:12``)."""
     code, line = at
     if code is None:
         return "<unknown>"

@@ -39,7 +39,7 @@ class HostChange(Finding):
         return f"{self.path} {self.before!r} -> {self.after!r}"
 
     def line(self) -> str:
-        return f"host state changed by warmup/capture ({self.policy}): {self.path} {self.before!r} -> {self.after!r}"
+        return f"host state changed by warmup/capture ({self.policy}): {self}"
 
 
 HostValues = dict[str, HostLeaf]  # path -> where the value sits and what it was (graphs/findings/reach.py)
