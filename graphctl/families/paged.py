@@ -16,7 +16,10 @@ to each buffer:
   a layout change from ``1 + D`` tokens a request to 1 can never leave them stale (#16925);
   ``slot_mapping`` is :data:`PAD_SLOT` (-1) for the tokens of padded requests, which a cache
   write must skip (:meth:`KVCacheManager.write` does);
-- pinned host mirrors of the lengths are mutable host buffers.
+- pinned host mirrors of the lengths are mutable host buffers;
+- each request's sampling settings (``temperature``, ``top_k``, ``top_p``) and ``seed`` are plain
+  buffers along the request axis, written by :meth:`PagedMetadata.set_sampling` (a padded row is
+  greedy: temperature 0), so one captured step serves greedy, sampled and mixed batches.
 """
 from __future__ import annotations
 
@@ -168,6 +171,11 @@ def paged_spec(name: str = "paged", *, block_size: int) -> StateSpec:
     spec.buffer("seq_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), mutable=True)
     spec.buffer("kv_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), mutable=True,
                 aliases=("kv_lens_runtime",))
+    # per-request sampling (models/sampled.py): padded rows greedy, their draws never used
+    spec.buffer("temperature", shape=("S",), dtype=torch.float32, axis="seq", pad=Pad.zero())
+    spec.buffer("top_k", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero())
+    spec.buffer("top_p", shape=("S",), dtype=torch.float32, axis="seq", pad=Pad.fill(1.0))
+    spec.buffer("seed", shape=("S",), dtype=torch.int64, axis="seq", pad=Pad.zero())
     spec.buffer("host_seq_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), host=True, mutable=True)
     spec.buffer("host_kv_lens", shape=("S",), dtype=torch.int32, axis="seq", pad=Pad.zero(), host=True, mutable=True)
     spec.buffer("cu_seq_lens", shape=("S1",), dtype=torch.int64, derive=Recompute(("seq_lens",), cumulative_lengths_))
@@ -195,10 +203,6 @@ class PagedMetadata:
     ``max_tokens``: the token buffers' length, when a forward may carry more tokens than a step
     does (a ragged prefill of whole prompts); at least ``seqs * (1 + draft_len)``."""
 
-    # random state per role, attached and declared by the engines that sample (graphctl/models/sampled.py)
-    generator: torch.Generator
-    draft_generator: torch.Generator
-
     def __init__(self, *, seqs: int, blocks: int, draft_len: int, kv_cache_manager: KVCacheManager,
                  draft_kv_cache_manager: KVCacheManager, device, max_tokens: int = 0) -> None:
         S, T = seqs, max(seqs * (1 + draft_len), max_tokens)
@@ -211,6 +215,10 @@ class PagedMetadata:
         self.seq_lens = torch.zeros(S, dtype=torch.int32, device=dev)
         self.kv_lens = torch.zeros(S, dtype=torch.int32, device=dev)
         self.kv_lens_runtime = self.kv_lens[:S]
+        self.temperature = torch.zeros(S, dtype=torch.float32, device=dev)  # greedy until set_sampling
+        self.top_k = torch.zeros(S, dtype=torch.int32, device=dev)
+        self.top_p = torch.ones(S, dtype=torch.float32, device=dev)
+        self.seed = torch.zeros(S, dtype=torch.int64, device=dev)
         self.host_seq_lens = torch.zeros(S, dtype=torch.int32, pin_memory=pin)
         self.host_kv_lens = torch.zeros(S, dtype=torch.int32, pin_memory=pin)
         self.cu_seq_lens = torch.zeros(S + 1, dtype=torch.int64, device=dev)
@@ -232,3 +240,12 @@ class PagedMetadata:
         self.host_kv_lens[:n].copy_(kv_lens, non_blocking=True)
         state.write_many({"seq_lens": seq_lens.to(self.seq_lens.device, torch.int32),  # maps recomputed once
                           "kv_lens": kv_lens.to(self.kv_lens.device, torch.int32)})
+
+    def set_sampling(self, state, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     seed: torch.Tensor) -> None:
+        """Each of the first ``n`` requests' sampling settings and seed (``[n]`` each, checked by the
+        caller: ``graphctl.models.sampled.request_settings``), the rest padded greedy, through
+        ``state`` in one write (a captured step reads them by address)."""
+        dev = self.temperature.device
+        state.write_many({"temperature": temperature.to(dev, torch.float32), "top_k": top_k.to(dev, torch.int32),
+                          "top_p": top_p.to(dev, torch.float32), "seed": seed.to(dev, torch.int64)})

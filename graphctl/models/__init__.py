@@ -10,13 +10,14 @@ from graphctl.models.loops import (
                                    graphed_step,
 )
 from graphctl.models.mtp import EngineConfig, MTPEngine, StepOutput
-from graphctl.models.sampled import Sampling
+from graphctl.models.sampled import RequestSettings, Sampling
 
 __all__ = [
     "EngineConfig",
     "MTPEngine",
     "StepOutput",
     "Sampling",
+    "RequestSettings",
     "MODES",
     "graphed_step",
     "dynamic_of",

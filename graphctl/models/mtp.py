@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from graphctl.families.paged import KVCacheManager, PagedMetadata, paged_spec
-from graphctl.models.sampled import Sampling, attach_generators, sample_step, sample_tokens, with_generators
+from graphctl.models.sampled import RequestSettings, Sampling, sample_step, sample_tokens
 from graphctl.state import BoundState, Registry, StateSpec, bind
 
 __all__ = ["EngineConfig", "MTPEngine", "StepOutput"]
@@ -82,9 +82,8 @@ class MTPEngine:
         self.meta = PagedMetadata(seqs=cfg.max_seqs, blocks=blocks, draft_len=self.k,
                                   kv_cache_manager=mk("target", cfg.seed + 1),
                                   draft_kv_cache_manager=mk("draft", cfg.seed + 2), device=dev)
-        attach_generators(self.meta, dev, cfg.seed)  # random state per role (models/sampled.py)
         self.registry = Registry()
-        self.registry.register(PagedMetadata, spec or with_generators(paged_spec(block_size=cfg.block_size)))
+        self.registry.register(PagedMetadata, spec or paged_spec(block_size=cfg.block_size))
         self.state: BoundState = bind(self.meta, registry=self.registry)
         C = blocks * cfg.block_size
         self._j = torch.arange(C, device=dev)
@@ -176,13 +175,14 @@ class MTPEngine:
         return StepOutput(accepted, bonus, drafts)
 
     def sample_step(self, input_ids: torch.Tensor, draft_probs: torch.Tensor, meta: PagedMetadata,
-                    sampling: Sampling, k: int | None = None) -> StepOutput:
+                    sampling: Sampling | None = None, k: int | None = None) -> StepOutput:
         """One sampled speculative step (``models/sampled.py``): ``draft_probs`` [n * k, vocab]
-        the laws the drafts in ``input_ids`` were drawn from; returns them for the next drafts."""
+        the laws the drafts in ``input_ids`` were drawn from; returns them for the next drafts.
+        Each request samples at its settings in ``meta`` (``sampling``: one baked host setting)."""
         return StepOutput(*sample_step(self, input_ids, draft_probs, meta, sampling, k))
 
-    def sample(self, prompts: Sequence[torch.Tensor], steps: int, sampling: Sampling, forward: Any = None,
-               k: int | None = None, seed: int | None = None) -> list[torch.Tensor]:
+    def sample(self, prompts: Sequence[torch.Tensor], steps: int, sampling: Sampling | RequestSettings,
+               forward: Any = None, k: int | None = None, seed: Any = None) -> list[torch.Tensor]:
         """Each request's emitted tokens after ``steps`` sampled steps (``models/sampled.py``)."""
         return sample_tokens(self, prompts, steps, sampling, forward, k, seed)
 

@@ -1,13 +1,13 @@
-"""Sampling on the device, graph-safe: no host sync, shapes fixed by the inputs, randomness only
-from an explicit ``torch.Generator`` (issue 34).
+"""Sampling on the device, graph-safe: no host sync, shapes fixed by the inputs, randomness a
+pure function of each request's seed and position (``ops/draws.py``, issue 53).
 
 - :func:`probs_from_logits`: temperature, top-k and top-p (nucleus) filtering to probabilities,
   in float32; temperature 0 gives the greedy one-hot (argmax), so one code path serves both.
   Settings are host numbers (baked into a captured graph: one graph set per setting, a variant)
   or per-row device tensors (changed between replays without recapture).
 - :func:`sample`: one draw per row by the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``
-  from ``generator``): an exact draw from ``p`` with one random tensor and no host work; a
-  zero-probability token is never drawn.
+  keyed by the row's seed and the token's position, ``ops/draws.py``): an exact draw from ``p``
+  with no random state and no host work; a zero-probability token is never drawn.
 - :func:`speculative_accept`: speculative sampling (Leviathan et al., Chen et al.): drafted token
   ``d_i`` accepted with probability ``min(1, p(d_i) / q(d_i))``, the first rejected position
   resampled from ``normalize(max(0, p - q))``, and with every draft accepted a bonus token drawn
@@ -18,8 +18,8 @@ from an explicit ``torch.Generator`` (issue 34).
 The PyTorch code here is the reference: it runs on every device and records into CUDA graphs and
 the emulated recorder alike. On CUDA, Triton kernels (``ops/sampling_triton.py``, chosen by
 ``GRAPHCTL_SAMPLING``) take the filtering with host settings, the race and the acceptance: one
-launch each, the same tokens from the same generator (the acceptance draws its uniforms and noise
-here, in the reference's order, and hands them to the kernel).
+launch each, the same tokens from the same keys (the acceptance draws its uniforms and noise here
+and hands them to the kernel).
 """
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ import numbers
 import torch
 
 from graphctl.errors import SamplingError
+from graphctl.ops import draws
 from graphctl.ops.triton_pick import TritonPick
 
-__all__ = ["TEMPERATURE_FLOOR", "probs_from_logits", "sample", "noise", "race", "speculative_accept"]
+__all__ = ["TEMPERATURE_FLOOR", "check_settings", "probs_from_logits", "sample", "race", "speculative_accept"]
 
 _Setting = float | int | torch.Tensor
 
@@ -48,7 +49,7 @@ def _column(v: _Setting, rows: int, like: torch.Tensor) -> torch.Tensor:
 TEMPERATURE_FLOOR = 1e-5
 
 
-def _check(temperature: _Setting, top_k: _Setting, top_p: _Setting) -> None:
+def check_settings(temperature: _Setting, top_k: _Setting, top_p: _Setting) -> None:
     """Host settings in range and of the right type (:class:`~graphctl.errors.SamplingError`);
     per-row device tensors are checked by whoever fills them (a check here would sync)."""
     if not isinstance(temperature, torch.Tensor) and (
@@ -74,7 +75,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
     (1.0: off). A row at temperature 0 is the one-hot of its argmax (greedy). Top-p keeps the
     smallest set of most likely tokens whose mass reaches ``top_p``, with every token tied with
     the least likely one kept (ties never split by sort order: the same set on every device)."""
-    _check(temperature, top_k, top_p)
+    check_settings(temperature, top_k, top_p)
     rows, vocab = logits.shape
     if not isinstance(temperature, torch.Tensor) and temperature < TEMPERATURE_FLOOR:  # greedy: nothing else matters
         return _onehot(logits)
@@ -90,8 +91,10 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
     if isinstance(top_k, torch.Tensor):
         k = _column(top_k, rows, x).long().clamp(min=0, max=vocab)
         k = torch.where(k == 0, torch.full_like(k, vocab), k)  # 0: off
-        kth = x.sort(-1, descending=True).values.gather(-1, k - 1)  # the k-th largest logit of each row
+        xs = x.sort(-1, descending=True).values
+        kth = xs.gather(-1, k - 1)  # the k-th largest logit of each row
         x = x.masked_fill(x < kth, float("-inf"))
+        xs = xs.masked_fill(xs < kth, float("-inf"))  # x sorted: one sort serves top-k and top-p
     elif top_k and top_k < vocab:  # a host k: a selection, no sort of the vocabulary
         xs = x.topk(int(top_k), -1).values  # sorted: the candidates top-p chooses from
         x = x.masked_fill(x < xs[:, -1:], float("-inf"))
@@ -107,7 +110,10 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
         elif xs is None:
             xs = x.sort(-1, descending=True).values
         cum = (torch.exp(xs - xs[:, :1]) * p.amax(-1, keepdim=True)).cumsum(-1)
-        keep = ((cum < _column(top_p, rows, x)).sum(-1, keepdim=True) + 1).clamp(max=xs.shape[-1])
+        tp = _column(top_p, rows, x)
+        keep = ((cum < tp).sum(-1, keepdim=True) + 1).clamp(max=xs.shape[-1])
+        if isinstance(top_p, torch.Tensor):  # rows at 1 keep everything (a float32 running sum may reach 1 early)
+            keep = torch.where(tp >= 1.0, xs.shape[-1], keep)
         p = torch.where(x >= xs.gather(-1, keep - 1), p, 0.0)
         p = p / p.sum(-1, keepdim=True)
     if isinstance(temperature, torch.Tensor):
@@ -141,27 +147,16 @@ def _onehot(logits: torch.Tensor) -> torch.Tensor:
         -1, logits.argmax(-1, keepdim=True), 1.0)
 
 
-def noise(shape: tuple[int, ...] | torch.Size, generator: torch.Generator | None, device: torch.device,
-          out: torch.Tensor | None = None) -> torch.Tensor:
-    """``Exp(1)`` noise of ``shape`` (float32) from ``generator``: what :func:`race` draws with.
-    One draw for several rounds (``[k, rows, vocab]``, indexed per round) lets a loop whose body
-    is one captured graph replayed on the device (a conditional WHILE node, where every
-    iteration would reuse the body's random offsets) draw what eager code draws. ``out``: a
-    float32 buffer of ``shape`` to draw into (the same numbers)."""
-    if out is None:
-        out = torch.empty(shape, dtype=torch.float32, device=device)
-    return out.exponential_(generator=generator)
-
-
 def race(probs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs`` [n, vocab] from the noise ``e`` [>= n, vocab] (:func:`noise`):
-    ``argmax(p / e)``, an exact draw from ``p`` (on CUDA one Triton launch: ``GRAPHCTL_SAMPLING``)."""
+    """One token per row of ``probs`` [n, vocab] from the noise ``e`` [>= n, vocab]
+    (``ops.draws.noise``): ``argmax(p / e)``, an exact draw from ``p`` (on CUDA one Triton launch:
+    ``GRAPHCTL_SAMPLING``)."""
     if e.device != probs.device:
         raise ValueError(f"race: noise on {e.device} for probabilities on {probs.device}: draw it on the same device "
-                         f"(noise((rows, vocab), generator, probs.device))")
+                         f"(ops.draws.noise(seed, position, stream, vocab) with seed on probs' device)")
     if e.dim() != 2 or e.shape[0] < probs.shape[0] or e.shape[-1] != probs.shape[-1]:
         raise ValueError(f"race: noise of shape {tuple(e.shape)} for probabilities of shape {tuple(probs.shape)}: "
-                         f"expected [>= {probs.shape[0]}, {probs.shape[-1]}] (noise((rows, vocab), generator, device))")
+                         f"expected [>= {probs.shape[0]}, {probs.shape[-1]}] (ops.draws.noise of one key a row)")
     kernel = RACE.kernel(probs.device)
     fast = None if kernel is None or probs.dim() != 2 else RACE.run(kernel, _not_filtered, probs.float(), e)
     if fast is not None:
@@ -169,34 +164,37 @@ def race(probs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return (probs.float() / e[: probs.shape[0]]).argmax(-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None, rows: int = 0) -> torch.Tensor:
-    """One token per row of ``probs`` [n, vocab] (int64 [n]), drawn with ``generator``. ``rows``
-    (>= n): draw noise for that many rows and use the first n, so the stream advances the same
-    whatever n is: a graph at a padded bucket and eager code at n draw alike (row i's noise
-    does not depend on the batch size)."""
-    n = probs.shape[0]
-    return race(probs, noise((max(rows, n), probs.shape[-1]), generator, probs.device))
+def sample(probs: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, stream: int = draws.TARGET) -> torch.Tensor:
+    """One token per row of ``probs`` [n, vocab] (int64 [n]): row ``i`` raced with the noise of
+    ``(seed[i], position[i], stream)`` (``ops.draws``), the position of the token drawn. A row's
+    token depends on its law and its key alone: not on the batch, its bucket or the loop mode."""
+    return race(probs, draws.noise(seed, position, stream, probs.shape[-1]))
 
 
-def speculative_accept(target: torch.Tensor, draft: torch.Tensor, drafts: torch.Tensor,
-                       generator: torch.Generator | None = None, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def speculative_accept(target: torch.Tensor, draft: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor,
+                       position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling over ``k`` drafted tokens a row.
 
     ``target`` [n, k + 1, V]: the target's probabilities at each drafted position and after the
     last; ``draft`` [n, k, V]: the draft's probabilities the drafts were drawn from; ``drafts``
     [n, k] int64. Returns ``(accepted [n] int64 in 1..k+1, token [n] int64)``: ``accepted - 1``
     drafts kept, then ``token`` (the resample at the first rejection, or the bonus token).
-    ``rows``: as for :func:`sample` (noise for that many rows, whatever n is)."""
+    ``seed``, ``position`` [n]: each request's seed and the position of its first drafted token.
+    Drafted token ``i``'s acceptance draws the uniform of ``(seed, position + i, ACCEPT)``; the
+    emitted token races the noise of ``(seed, position, TARGET)`` (``ops.draws``): a step's
+    target draws are keyed by the first position it can emit at, which only grows from step to
+    step, so no two emitted tokens share noise, and the draws never depend on the batch."""
     n, k1, vocab = target.shape
     k = k1 - 1
     t, q = target.float(), draft.float()
     if k == 0:
-        return torch.ones(n, dtype=torch.int64, device=target.device), sample(t[:, 0], generator, rows)
+        return torch.ones(n, dtype=torch.int64, device=target.device), sample(t[:, 0], seed, position)
     idx = drafts.long().unsqueeze(-1)
     p_d = t[:, :k].gather(-1, idx).squeeze(-1)  # target probability of each drafted token
     q_d = q.gather(-1, idx).squeeze(-1)
-    u = torch.rand(max(rows, n), k, generator=generator, device=target.device)[:n]
-    e = noise((max(rows, n), vocab), generator, target.device)  # drawn after u, as sample() would
+    seed, position = seed.reshape(n, 1), position.reshape(n, 1)
+    u = draws.uniform(seed, position + torch.arange(k, device=position.device), draws.ACCEPT)
+    e = draws.noise(seed, position, draws.TARGET, vocab)
     kernel = ACCEPT.kernel(target.device)  # CUDA: one Triton program a request (GRAPHCTL_SAMPLING)
     fast = None if kernel is None else ACCEPT.run(kernel, _not_filtered, t, q, drafts, u, e)
     if fast is not None:

@@ -23,7 +23,11 @@ leading accepted drafts, then races the residual law (or the target's, for the b
 noise in one pass over the vocabulary: the dozen small kernels of the reference in one launch, the
 same tokens (the same float32 arithmetic, IEEE division, first index among ties).
 
-``TRITON_INTERPRET=1`` runs both on CPU tensors (the CPU tests compare them with the references so).
+**Keyed noise** (``keyed_noise``, reference ``ops.draws``): the counter-based ``Exp(1)`` noise of a
+row key, one program a block of a row: the hash's integer steps as the reference takes them (int64
+values masked to 32 bits), then ``-log``.
+
+``TRITON_INTERPRET=1`` runs them on CPU tensors (the CPU tests compare them with the references so).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["probs", "race", "accept", "MAX_VOCAB"]
+__all__ = ["probs", "race", "accept", "keyed_noise", "MAX_VOCAB"]
 
 MAX_VOCAB = 32768  # a row of float32 in the registers of 16 warps: 64 values a thread
 KEYED = True  # 16-bit logits: search their bit patterns (16 steps), not float32 probabilities' (bench: False)
@@ -205,3 +209,34 @@ def accept(target: torch.Tensor, draft: torch.Tensor, drafts: torch.Tensor, u: t
                         d.stride(0), uu.stride(0), ee.stride(0), K=k1 - 1, BLOCK=block,
                         num_warps=max(1, min(16, block // 512)))
     return acc, tok
+
+
+@functools.cache
+def _noise() -> Any:
+    @triton.jit
+    def graphctl_keyed_noise(KEYS, OUT, V, so, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < V
+        mask32 = 0xFFFFFFFF
+        h = (tl.load(KEYS + r) + (offs + 1) * 0x9E3779B9) & mask32
+        h = h ^ (h >> 16)
+        h = (h * 0x85EBCA6B) & mask32
+        h = h ^ (h >> 13)
+        h = (h * 0xC2B2AE35) & mask32
+        h = h ^ (h >> 16)
+        u = ((h >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+        tl.store(OUT + r * so + offs, -tl.log(u), mask=m)
+
+    return graphctl_keyed_noise
+
+
+def keyed_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``ops.draws.noise`` from its row keys (int64 [n]): float32 [n, vocab] in one launch."""
+    keys = keys.contiguous()
+    out = torch.empty((keys.shape[0], vocab), dtype=torch.float32, device=keys.device)
+    if keys.shape[0] and vocab:
+        block = min(max(triton.next_power_of_2(vocab), 16), 4096)
+        _noise()[(keys.shape[0], triton.cdiv(vocab, block))](keys, out, vocab, out.stride(0), BLOCK=block,
+                                                              num_warps=4)
+    return out

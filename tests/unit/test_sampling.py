@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import graphctl
-from graphctl.ops.sampling import noise, probs_from_logits, race, sample, speculative_accept
+from graphctl.ops import draws
+from graphctl.ops.sampling import probs_from_logits, race, sample, speculative_accept
 
 ALPHA = 1e-6
 
@@ -89,34 +90,54 @@ def test_noise_of_the_wrong_shape_is_a_clear_error(gen):
     # Regression: issue 34, the race kernel indexes the noise by row: too few rows or another vocabulary would
     # read past it (the reference's broadcast error named neither shape).
     p = torch.softmax(torch.randn(3, 10, generator=gen), -1)
-    for bad in (noise((2, 10), gen, p.device), noise((3, 11), gen, p.device), noise((3,), gen, p.device)):
+
+    def noise(rows: int, vocab: int) -> torch.Tensor:
+        return draws.noise(torch.randint(0, 99, (rows,), generator=gen), torch.arange(rows), draws.TARGET, vocab)
+
+    for bad in (noise(2, 10), noise(3, 11), noise(3, 10)[:, 0]):
         with pytest.raises(ValueError, match=r"race: noise of shape .* expected \[>= 3, 10\]"):
             race(p, bad)
-    assert race(p, noise((5, 10), gen, p.device)).shape == (3,)  # more rows than needed: the first ones
+    assert race(p, noise(5, 10)).shape == (3,)  # more rows than needed: the first ones
     with pytest.raises(ValueError, match="race: noise on meta for probabilities on cpu"):
         race(p, torch.empty(3, 10, device="meta"))
 
 
-def test_sample_draws_from_the_distribution_and_is_seeded(gen):
-    # Regression: issue 34, sample() must be an exact draw (chi-square), never a zero-probability token, seeded.
+def _keys(gen, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` requests' fresh seeds (distinct) and positions."""
+    base = int(torch.randint(0, 2**40, (1,), generator=gen))
+    return base + torch.arange(n), torch.randint(0, 4000, (n,), generator=gen)
+
+
+@pytest.mark.parametrize("over", ["seeds", "positions"])
+def test_sample_draws_from_the_distribution_and_is_keyed(over, gen):
+    # Regression: issue 34 / 53, sample() must be an exact draw (chi-square), never a zero-probability token, and a
+    # function of its keys: over many requests at one position, or one request over many positions.
     p = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05])
     n = 40_000
-    g = torch.Generator().manual_seed(11)
-    tokens = sample(p.expand(n, 5), g)
+    seed, pos = _keys(gen, n)
+    if over == "positions":
+        seed, pos = seed[:1].expand(n), pos[0] + torch.arange(n)
+    else:
+        pos = pos[:1].expand(n)
+    tokens = sample(p.expand(n, 5), seed, pos)
     assert chi2_p(torch.bincount(tokens, minlength=5), p) > ALPHA
-    a = sample(p.expand(64, 5), torch.Generator().manual_seed(3))
-    b = sample(p.expand(64, 5), torch.Generator().manual_seed(3))
-    c = sample(p.expand(64, 5), torch.Generator().manual_seed(4))
-    assert torch.equal(a, b) and not torch.equal(a, c)
+    a = sample(p.expand(64, 5), seed[:64], pos[:64])
+    assert torch.equal(a, tokens[:64])
+    assert not torch.equal(a, sample(p.expand(64, 5), seed[:64] + 1, pos[:64]))
+    assert not torch.equal(a, sample(p.expand(64, 5), seed[:64], pos[:64], draws.DRAFT))  # another stream
 
 
 def _speculative(target_p: torch.Tensor, draft_q: torch.Tensor, n: int, seed: int):
     """``n`` rows of one speculative step: the target's distribution ``target_p`` [k+1, V] at each
     position, the draft's ``draft_q`` [k, V]; drafts drawn from the draft."""
-    g = torch.Generator().manual_seed(seed)
     k1, vocab = target_p.shape
-    drafts = sample(draft_q.expand(n, k1 - 1, vocab).reshape(-1, vocab), g).view(n, k1 - 1)
-    return drafts, *speculative_accept(target_p.expand(n, k1, vocab), draft_q.expand(n, k1 - 1, vocab), drafts, g)
+    seeds, pos = seed * n + torch.arange(n), torch.full((n,), 50)
+    # each draft keyed as the engine keys it: its request's seed, its own position, the draft stream
+    at = (pos[:, None] + torch.arange(k1 - 1)).reshape(-1)
+    drafts = sample(draft_q.expand(n, k1 - 1, vocab).reshape(-1, vocab), seeds.repeat_interleave(k1 - 1), at,
+                    draws.DRAFT).view(n, k1 - 1)
+    return drafts, *speculative_accept(target_p.expand(n, k1, vocab), draft_q.expand(n, k1 - 1, vocab), drafts, seeds,
+                                      pos)
 
 
 def _emitted_at(j: int, drafts, accepted, token):
@@ -156,30 +177,32 @@ def test_speculative_sampling_with_one_hot_laws_is_greedy_verification(gen):
     t = probs_from_logits(tl.reshape(-1, vocab), 0.0).view(n, k + 1, vocab)
     q = probs_from_logits(dl.reshape(-1, vocab), 0.0).view(n, k, vocab)
     drafts = dl.argmax(-1)
-    accepted, token = speculative_accept(t, q, drafts, torch.Generator().manual_seed(1))
+    accepted, token = speculative_accept(t, q, drafts, *_keys(gen, n))
     best = tl.argmax(-1)
     want = 1 + (drafts == best[:, :k]).long().cumprod(1).sum(1)
     assert torch.equal(accepted, want)
     assert torch.equal(token, best.gather(1, (want - 1)[:, None])[:, 0])
 
 
-def test_sampling_replays_from_a_graph_as_eager_from_the_same_generator_state(gen):
-    # Regression: issue 34, a captured sampling step draws from the generator at every replay as eager does.
-    g = torch.Generator().manual_seed(0)
+def test_sampling_replays_from_a_graph_as_eager_from_the_same_keys(gen):
+    # Regression: issue 34 / 53, a captured sampling step draws by its keys at every replay as eager does: the keys
+    # are read from their buffers at each replay (no random offsets baked into the graph).
     w = torch.randn(6, 9, generator=gen) * 0.1  # flat logits: every row keeps several tokens after top-k/top-p
+    seed, pos = _keys(gen, 4)
 
     def step(x):
-        return sample(probs_from_logits(x @ w, 0.8, 4, 0.9), g)
+        return sample(probs_from_logits(x @ w, 0.8, 4, 0.9), seed, pos)
 
     run = graphctl.graphed(step, buckets=[4], backend="emulated", progress=False)
     x = torch.randn(4, 6, generator=gen)
     run.capture_all(x)
-    g.manual_seed(123)
-    replayed = [run(x).clone() for _ in range(5)]
-    g.manual_seed(123)
-    eager = [step(x) for _ in range(5)]
+    replayed, eager = [], []
+    for _ in range(5):
+        pos.add_(1)
+        replayed.append(run(x).clone())
+        eager.append(step(x))
     assert all(torch.equal(a, b) for a, b in zip(replayed, eager))
-    assert len({tuple(t.tolist()) for t in eager}) > 1  # the draws do change from call to call
+    assert len({tuple(t.tolist()) for t in eager}) > 1  # the draws do change from position to position
 
 
 def _engine(device: str, oracle: bool):
@@ -215,25 +238,42 @@ def test_seeded_sampling_is_the_same_eager_and_graphed(oracle, backend, gen):
     assert sum(b.replays for b in step.report().buckets) == 6 and step.report().random_state == ()
 
 
-@pytest.mark.parametrize("mode", ["per_step", "device_loop"])
+@pytest.mark.parametrize("mode", ["unrolled", "per_step", "device_loop"])
 def test_seeded_sampling_is_the_same_in_every_loop_mode(mode, backend, gen):
-    # Regression: issue 34, per_step and device_loop drafted greedily only (graphed_step refused sampling there); a
-    # WHILE body replays its random offsets each iteration, so the draft's noise is drawn once for all k steps.
-    from graphctl.models import Sampling, graphed_step
+    # Regression: issue 34 / 53, per_step and device_loop drafted greedily only; a WHILE body replays the same kernels
+    # each iteration, so a draw inside it must be keyed by the position, not taken from a generator's offsets.
+    from graphctl.models import RequestSettings, graphed_step
 
     if mode == "device_loop" and backend != "cuda":
         pytest.skip("device_loop needs CUDA")
     eng = _engine("cuda" if backend == "cuda" else "cpu", oracle=False)
-    s = Sampling(temperature=2.0, top_p=0.95)  # the engine's wide margins: at 0.8 the draws hardly vary
     prompts = eng.prompts(3, gen)
-    step = graphed_step(eng, mode, buckets=(1, 2, 4), backend=backend, sampling=s)
-    eager = eng.sample(prompts, 6, s, seed=7)
-    graphed = eng.sample(prompts, 6, s, forward=step, seed=7)
+    step = graphed_step(eng, mode, buckets=(1, 2, 4), backend=backend, sampling=True)
+    # the engine's wide margins: at 0.8 the draws hardly vary
+    hot = RequestSettings.of(3, temperature=2.0, top_p=0.95, seed=7)
+    eager = eng.sample(prompts, 6, hot)
+    graphed = eng.sample(prompts, 6, hot, forward=step)
     assert [t.tolist() for t in graphed] == [t.tolist() for t in eager]
-    again = eng.sample(prompts, 6, s, forward=step, seed=8)
-    assert [t.tolist() for t in again] == [t.tolist() for t in eng.sample(prompts, 6, s, seed=8)]
+    other = RequestSettings.of(3, temperature=[2.0, 0.0, 1.5], top_k=[0, 0, 5], top_p=0.95, seed=8)  # one graph
+    again = eng.sample(prompts, 6, other, forward=step)
+    assert [t.tolist() for t in again] == [t.tolist() for t in eng.sample(prompts, 6, other)]
     assert [t.tolist() for t in again] != [t.tolist() for t in eager]
-    with pytest.raises(graphctl.ReplayError, match="sampling"):  # the settings are baked in
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "per_step"])
+def test_the_deprecated_baked_setting_warns_works_and_refuses_another_value(mode, gen):
+    # Regression: issue 53, graphed_step(sampling=Sampling(...)) baked its settings; it keeps working (deprecated),
+    # draws the same tokens as eager, and a call with other settings is refused rather than silently served.
+    from graphctl.models import Sampling, graphed_step
+
+    eng = _engine("cpu", oracle=False)
+    prompts = eng.prompts(3, gen)
+    s = Sampling(temperature=2.0, top_p=0.95)
+    with pytest.warns(DeprecationWarning, match="sampling=True"):
+        step = graphed_step(eng, mode, buckets=(1, 2, 4), backend="emulated", sampling=s)
+    assert [t.tolist() for t in eng.sample(prompts, 4, s, forward=step, seed=7)] == \
+        [t.tolist() for t in eng.sample(prompts, 4, s, seed=7)]
+    with pytest.raises(graphctl.ReplayError if mode == "unrolled" else graphctl.SamplingError, match="sampling"):
         eng.sample(prompts, 1, Sampling(temperature=0.5), forward=step, seed=7)
 
 
@@ -246,7 +286,7 @@ def test_a_greedy_per_step_loop_called_like_a_sampled_step_is_a_clear_error(gen)
     loop = graphed_step(eng, "per_step", buckets=(4,), backend="emulated")
     with pytest.raises(TypeError, match="input_ids, meta"):
         eng.sample(eng.prompts(2, gen), 1, Sampling(0.8), forward=loop, seed=1)
-    with pytest.raises(graphctl.DeclarationError, match="Sampling"):
+    with pytest.raises(graphctl.DeclarationError, match="sampling=True"):
         graphed_step(eng, "per_step", sampling=0.8)
 
 
@@ -324,6 +364,6 @@ def test_a_temperature_below_the_floor_is_greedy_not_nan(t, gen):
     got = probs_from_logits(logits, t)
     assert t < TEMPERATURE_FLOOR and not got.isnan().any()
     assert torch.equal(got, torch.nn.functional.one_hot(logits.argmax(-1), 33).float())
-    assert torch.equal(sample(got, gen), logits.argmax(-1))
+    assert torch.equal(sample(got, *_keys(gen, 4)), logits.argmax(-1))
     per_row = probs_from_logits(logits, torch.tensor([t, 0.0, 1.0, t]))  # per-row device settings: the same floor
     assert not per_row.isnan().any() and torch.equal(per_row[0], got[0]) and torch.equal(per_row[3], got[3])

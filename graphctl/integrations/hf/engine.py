@@ -27,8 +27,8 @@ from graphctl.families.paged import KVCacheManager, PagedMetadata, paged_spec
 from graphctl.graphs.capture.compiled import is_compiled
 from graphctl.integrations.hf.attention import ATTENTION, PagedBatch, register
 from graphctl.models.mtp import EngineConfig, MTPEngine
-from graphctl.models.sampled import Sampling, attach_generators, check_forward, check_seed, with_generators
-from graphctl.ops.sampling import TEMPERATURE_FLOOR, sample
+from graphctl.models.sampled import RequestSettings, Sampling, check_forward, laws
+from graphctl.ops.sampling import sample
 from graphctl.state import Registry, StateSpec, bind
 
 __all__ = ["HFEngine", "GenerateResult", "oracle_draft", "uses_paged_attention"]
@@ -130,9 +130,8 @@ class HFEngine(MTPEngine):
                                   kv_cache_manager=manager("target", target, 1),
                                   draft_kv_cache_manager=manager("draft", draft, 2), device=dev,
                                   max_tokens=min(prefill_tokens, max_seqs * max_context))
-        attach_generators(self.meta, dev, 0)  # random state per role (models/sampled.py)
         self.registry = Registry()
-        self.registry.register(PagedMetadata, spec or with_generators(paged_spec(block_size=block_size)))
+        self.registry.register(PagedMetadata, spec or paged_spec(block_size=block_size))
         self.state = bind(self.meta, registry=self.registry)
 
     @classmethod
@@ -249,20 +248,24 @@ class HFEngine(MTPEngine):
                 if lo < 0 or hi >= self.cfg.vocab:
                     raise ValueError(f"prompt {i}: token ids must be in [0, {self.cfg.vocab}), found [{lo}, {hi}]")
 
-    def sample_decode_step(self, input_ids: torch.Tensor, meta: PagedMetadata, sampling: Sampling) -> torch.Tensor:
-        """Plain decode, sampled: the target's next token for one token a request, drawn from the
-        target's generator (noise for every row the engine holds: eager and padded graphs alike)."""
-        return sample(sampling.probs(self.run_layers(input_ids, self.target_layers)), self.meta.generator,
-                      self.cfg.max_seqs)
+    def sample_decode_step(self, input_ids: torch.Tensor, meta: PagedMetadata,
+                           sampling: Sampling | None = None) -> torch.Tensor:
+        """Plain decode, sampled: the target's next token for one token a request, each request at
+        its settings in ``meta`` (``sampling``: one baked host setting), its draw keyed by its seed
+        and the token's position (``kv_lens``): the same token eager, graphed, alone or batched."""
+        n = input_ids.shape[0]
+        q = laws(self.run_layers(input_ids, self.target_layers), meta, n, 1, sampling)
+        return sample(q, meta.seed[:n], meta.kv_lens[:n])
 
     def prefill(self, prompts: Sequence[torch.Tensor], forward: Any = None,
-                sampling: Sampling | None = None) -> torch.Tensor:
+                sampling: Sampling | bool | None = None) -> torch.Tensor:
         """Every prompt's K/V into both caches and each request's first new token: one ragged
         forward of all prompts (tokens packed by request, each attending its own request's keys
         up to its position), chunked into passes of at most ``prefill_tokens`` (the metadata's
         token buffers) only above that: a pass takes each request's next tokens in order until
         the budget is spent. ``forward``: :meth:`prefill_step` or its graphed form
-        (:meth:`graphed_prefill`). ``sampling``: the first token drawn (greedy by default)."""
+        (:meth:`graphed_prefill`). ``sampling``: the first token drawn (greedy by default): True at
+        each request's settings in the metadata, a :class:`Sampling` at one host setting."""
         self.check_prompts(prompts)
         n, m = len(prompts), self.meta
         lens = [len(p) for p in prompts]
@@ -277,8 +280,12 @@ class HFEngine(MTPEngine):
             done = [d + t for d, t in zip(done, take)]
             m.prepare(self.state, torch.tensor(take, dtype=torch.int32), torch.tensor(done, dtype=torch.int32))
             logits = (forward or self.prefill_step)(tokens, m)
-            best = logits.argmax(-1) if sampling is None else \
-                sample(sampling.probs(logits), m.generator, self.cfg.max_seqs)
+            if sampling is None or sampling is False:
+                best = logits.argmax(-1)
+            else:  # keyed by the position after the pass: a finished prompt's length, its first token's place
+                S = logits.shape[0]
+                best = sample(laws(logits, m, S, 1, sampling if isinstance(sampling, Sampling) else None),
+                              m.seed[:S], m.kv_lens[:S])
             finished = [r for r in range(n) if take[r] and done[r] == lens[r]]
             if len(finished) == n:  # one pass held every prompt's end: no index to copy to the device
                 first.copy_(best[:n])
@@ -289,25 +296,28 @@ class HFEngine(MTPEngine):
 
     def generate(self, prompts: Sequence[torch.Tensor], max_new_tokens: int,  # type: ignore[override]
                  forward: Any = None, *, eos_token_id: int | None = None, progress: bool = False,
-                 k: int | None = None, prefill: Any = None, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None) -> GenerateResult:
+                 k: int | None = None, prefill: Any = None, temperature: Any = 0.0, top_k: Any = 0,
+                 top_p: Any = 1.0, seed: Any = None) -> GenerateResult:
         """Generation: prefill, then decode (``draft_len`` 0) or speculative steps through
         ``forward`` (``self.step``/``self.decode_step`` by default, or their ``@graphed``
         wrappers), until every request has ``max_new_tokens`` tokens or its EOS. ``k``: drafts a
         step, ``1 <= k <= draft_len`` (default ``draft_len``), passed to ``forward`` when given
         (a runner with ``variants={"k": ...}`` serves each value from its own graphs). ``prefill``:
         the prefill pass (:meth:`prefill_step` by default, or :meth:`graphed_prefill`'s runner).
-        ``temperature`` 0 is greedy (``top_k``/``top_p`` then unused); above it every token is
-        sampled on the device (top-k 0 and top-p 1 are off) and speculative steps keep the
-        target's distribution (``models/sampled.py``); ``forward`` is then ``sample_step`` /
-        ``sample_decode_step`` or their graphed forms (``graphed_step(..., sampling=...)``).
-        ``seed`` reseeds the target's and the draft's generators (``seed``, ``seed + 1``): one seed,
-        the same tokens, eager or graphed, at any bucket."""
-        # every argument checked before anything changes: a refused call reseeds no generator
+        ``temperature``, ``top_k``, ``top_p`` and ``seed``: one value for every prompt or a list
+        with one a prompt (``temperature=[0.0, 0.8]``). A request at temperature 0 is greedy
+        (``top_k``/``top_p`` then unused); above it its tokens are sampled on the device (top-k 0
+        and top-p 1 are off) and speculative steps keep the target's distribution
+        (``models/sampled.py``). Where any request samples, ``forward`` is ``sample_step`` /
+        ``sample_decode_step`` or their graphed forms (``graphed_step(eng, sampling=True)``: one
+        graph for greedy, sampled and mixed batches). ``seed``: an int ``s`` gives prompt ``i`` the
+        seed ``s + i``, a list one each, None seeds drawn from torch's default generator; a
+        request's draws depend on its seed and positions only, so it gets the same tokens alone or
+        in any batch wherever its logits are the same (docs/transformers.md, "Sampling")."""
+        # every argument checked before anything changes: a refused call writes and draws nothing
         self.check_prompts(prompts)
-        spec = Sampling(temperature, top_k, top_p)  # checked even at temperature 0
-        sampling = spec if temperature >= TEMPERATURE_FLOOR else None
-        check_seed(seed)
+        settings = RequestSettings.of(len(prompts), temperature, top_k, top_p, seed)  # checked even when greedy
+        sampling = True if settings.sampled else None
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected a positive int, found {max_new_tokens!r}")
         extra = () if k is None else (k,)  # a forward of (ids, meta) keeps working without k
@@ -318,9 +328,8 @@ class HFEngine(MTPEngine):
             raise ValueError(f"max_context={self.cfg.max_context} too small: prompts up to {int(context.max())} "
                              f"tokens + {max_new_tokens} new + {3 * k + 3} of speculation need {need}")
         check_forward(forward, sampling is not None, k, len(extra))
-        if seed is not None:
-            self.meta.generator.manual_seed(seed)
-            self.meta.draft_generator.manual_seed(seed + 1)
+        if sampling:
+            settings.write(m, self.state)
         t0 = self._clock()
         token = self.prefill(prompts, prefill, sampling)
         t1 = self._clock()
@@ -336,12 +345,12 @@ class HFEngine(MTPEngine):
         seq = torch.full((n,), k + 1, dtype=torch.int32, device=self.device)
         drafts = token[:, None].repeat(1, k)
         # sampled: the laws the drafts were drawn from; the placeholders' is one-hot (kept with probability p)
-        laws = torch.nn.functional.one_hot(drafts.reshape(-1), self.cfg.vocab).float() if sampling and k else None
+        qs = torch.nn.functional.one_hot(drafts.reshape(-1), self.cfg.vocab).float() if sampling and k else None
         pending: tuple[torch.Tensor, Any] | None = None
         while True:
             m.prepare(self.state, seq, context + k + 1)
             if k == 0 and sampling is not None:
-                token = (forward or self.sample_decode_step)(token, m, sampling).clone()
+                token = (forward or self.sample_decode_step)(token, m, None).clone()
                 accepted = torch.ones_like(token)
                 packed = torch.stack([accepted, token], 1)
             elif k == 0:
@@ -353,10 +362,10 @@ class HFEngine(MTPEngine):
                 if sampling is None:
                     out = (forward or self.step)(ids, m, *extra)
                 else:
-                    assert laws is not None  # made above for every sampled speculative run
-                    out = (forward or self.sample_step)(ids, laws, m, sampling, *extra)
+                    assert qs is not None  # made above for every sampled speculative run
+                    out = (forward or self.sample_step)(ids, qs, m, None, *extra)
                     assert out.draft_probs is not None  # a sampled step returns the laws of its drafts
-                    laws = out.draft_probs.clone()
+                    qs = out.draft_probs.clone()
                 token, drafts, accepted = out.bonus.clone(), out.drafts.clone(), out.accepted
                 packed = torch.cat([accepted[:, None].to(ids.dtype), ids.view(n, k + 1)[:, 1:], token[:, None]], 1)
             context = context + accepted.to(torch.int32)
