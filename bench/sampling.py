@@ -29,7 +29,8 @@ import time
 import torch
 
 from graphctl import knobs
-from graphctl.ops.sampling import noise, probs_from_logits, race, speculative_accept
+from graphctl.ops import draws
+from graphctl.ops.sampling import probs_from_logits, race, speculative_accept
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paged_attention import graph_calls, replay_ms  # noqa: E402  (the CUDA-graph timer both benchmarks share)
@@ -65,13 +66,12 @@ def main() -> int:
         print("bench/sampling.py: no CUDA device (--device cpu times the host)", file=sys.stderr)
         return 2
     dev, k, V = torch.device(a.device), a.k, a.vocab
-    # on CUDA the default generator: torch.cuda.graph registers it with each capture
-    gen = torch.Generator(device=dev).manual_seed(0) if not cuda else None
     rows_out = []
     for bs in a.sizes:
         tl = torch.randn(bs * (k + 1), V, device=dev).mul_(3).to(torch.bfloat16)  # target logits
         dl = torch.randn(k, bs, V, device=dev).mul_(3).to(torch.bfloat16)  # the k draft steps' logits
         drafts = torch.randint(0, V, (bs, k), device=dev)
+        seed, pos = torch.arange(bs, device=dev), torch.full((bs,), 200, device=dev)  # each request's draw keys
         tp = probs_from_logits(tl, 0.8, 0, 0.9).view(bs, k + 1, V)
         dp = torch.stack([probs_from_logits(dl[i], 0.8, 0, 0.9) for i in range(k)], 1)
 
@@ -91,17 +91,16 @@ def main() -> int:
                 dl[i].sort(-1, descending=True)
 
         def accept() -> None:
-            speculative_accept(tp, dp, drafts, gen, bs)
+            speculative_accept(tp, dp, drafts, seed, pos)
 
         def sampled() -> None:
             p = probs_from_logits(tl, 0.8, 0, 0.9).view(bs, k + 1, V)
-            e = noise((k, bs, V), gen, dev)
             laws = []
             for i in range(k):
                 q = probs_from_logits(dl[i], 0.8, 0, 0.9)
-                race(q, e[i])
+                race(q, draws.noise(seed, pos + i, draws.DRAFT, V))
                 laws.append(q)
-            speculative_accept(p, torch.stack(laws, 1), drafts, gen, bs)
+            speculative_accept(p, torch.stack(laws, 1), drafts, seed, pos)
 
         with knobs.scope(sampling="auto"):  # the choice is made at capture: the graph keeps it
             timers = {n: _timer(f, a.iters, cuda) for n, f in

@@ -14,7 +14,7 @@ test's own arithmetic agree bit for bit on the integer part:
 
 - a row key ``r = row_keys(seed, position, stream)`` (a few ops on ``[n]`` values);
 - element ``j``: ``h = fmix32((r + (j + 1) * 0x9E3779B9) mod 2^32)`` (a bijection of ``j`` for a
-  given row: no two vocabulary entries of a row share a value);
+  given row: no two vocabulary entries of a row share a hash; of the 23 bits kept, a few may);
 - a uniform ``u = (2 * (h >> 9) + 1) / 2^24`` in ``(0, 1)``, exact in float32 (23 random bits);
   :func:`noise` is ``-log(u)``, ``Exp(1)`` for :func:`~graphctl.ops.sampling.race`.
 

@@ -91,10 +91,13 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
     if isinstance(top_k, torch.Tensor):
         k = _column(top_k, rows, x).long().clamp(min=0, max=vocab)
         k = torch.where(k == 0, torch.full_like(k, vocab), k)  # 0: off
-        xs = x.sort(-1, descending=True).values
+        # one sort serves top-k and top-p: of the raw logits where they are 16-bit (half the bytes; dividing by
+        # a row's temperature keeps its order, and the sorted values are divided as x was)
+        xs = (logits if logits.element_size() < 4 else x).sort(-1, descending=True).values
+        xs = xs.float() / _scale(temperature, rows, x) if logits.element_size() < 4 else xs
         kth = xs.gather(-1, k - 1)  # the k-th largest logit of each row
         x = x.masked_fill(x < kth, float("-inf"))
-        xs = xs.masked_fill(xs < kth, float("-inf"))  # x sorted: one sort serves top-k and top-p
+        xs = xs.masked_fill(xs < kth, float("-inf"))
     elif top_k and top_k < vocab:  # a host k: a selection, no sort of the vocabulary
         xs = x.topk(int(top_k), -1).values  # sorted: the candidates top-p chooses from
         x = x.masked_fill(x < xs[:, -1:], float("-inf"))

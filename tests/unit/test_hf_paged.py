@@ -294,17 +294,14 @@ def test_seeded_sampling_gives_the_same_tokens_eager_and_graphed(name, k, mode, 
     # Regression: issue 34, the HF engine decoded greedily only: sampled at temperature 0.8, top-p 0.9, one seed gives
     # the same tokens eager and graphed in every loop mode (a padded bucket: 3 requests in bucket 4), another seed
     # other tokens.
-    from graphctl.models import Sampling
-
     if mode == "device_loop" and backend != "cuda":
         pytest.skip("device_loop needs CUDA")
     dev = "cuda" if backend == "cuda" else "cpu"
     eng = HFEngine.build(hf_config(name), draft_len=k, max_seqs=4, max_context=96, block_size=8,
                          seed=hf.seed_of(gen), device=dev)
     prompts = [p.to(dev) for p in hf.prompts(3, gen)]
-    s = Sampling(0.8, 0, 0.9)
     if k:
-        step = graphed_step(eng, mode, buckets=(1, 2, 4), backend=backend, sampling=s)
+        step = graphed_step(eng, mode, buckets=(1, 2, 4), backend=backend, sampling=True)
     else:
         step = graphctl.graphed(eng.sample_decode_step, buckets=[1, 2, 4], state=eng.state, backend=backend,
                                 inputs=[StaticInput("input_ids")], progress=False, params=eng.named_tensors())
@@ -318,7 +315,7 @@ def test_seeded_sampling_gives_the_same_tokens_eager_and_graphed(name, k, mode, 
     assert [t.tolist() for t in eng.generate(prompts, 8, temperature=0.0, seed=5).tokens] == \
         [t.tolist() for t in greedy.tokens]
     head = step.head if mode == "per_step" else step
-    assert head.report().random_state == ()  # the declared generators only
+    assert head.report().random_state == ()  # keyed draws: no generator drawn from
     with pytest.raises(ValueError, match="top_p"):
         eng.generate(prompts, 2, temperature=0.8, top_p=0.0)
 
@@ -361,22 +358,56 @@ def test_a_refused_generate_changes_nothing_and_a_greedy_step_asked_to_sample_sa
     # natural call `generate(prompts, n, graphed_step(eng), temperature=0.8)` failed with a raw TypeError after the
     # prefill had drawn.
     import graphctl
-    from graphctl.models import Sampling
 
     eng = hf.engine("tiny-llama", 3, hf.seed_of(gen))
     prompts = hf.prompts(3, gen)
-    before = (eng.meta.generator.get_state().clone(), eng.meta.draft_generator.get_state().clone())
+    eng.generate(prompts, 2, temperature=[0.5, 0.9, 1.3], top_k=[0, 3, 0], top_p=[1.0, 1.0, 0.8], seed=11)
+    meta = eng.meta
+
+    def state():  # every per-request buffer, the caches and torch's default generator
+        return [t.clone() for t in (meta.temperature, meta.top_k, meta.top_p, meta.seed, meta.kv_lens,
+                                    meta.kv_cache_manager.k[0], torch.default_generator.get_state())]
+
+    before = state()
     greedy = graphed_step(eng, "unrolled", buckets=(1, 2, 4), backend="emulated")
     refused = [dict(max_new_tokens=0, seed=5), dict(max_new_tokens=4, seed=-1, temperature=0.8),
                dict(max_new_tokens=4, top_k=2.7, seed=5), dict(max_new_tokens=4, temperature=float("inf"), seed=5),
-               dict(max_new_tokens=4, forward=greedy, temperature=0.8, seed=5)]
+               dict(max_new_tokens=4, temperature=[0.8, 0.8], seed=5),  # one value short
+               dict(max_new_tokens=4, temperature=[0.8, -1.0, 0.8]),  # request 1's
+               dict(max_new_tokens=4, temperature=[0.8, float("inf"), 0.8], top_k=2),
+               dict(max_new_tokens=4, temperature=0.8, seed=[1, None, 3]),
+               dict(max_new_tokens=0, temperature=0.8),  # a drawn seed: refused before it is drawn
+               dict(max_new_tokens=4, forward=greedy, temperature=0.8)]
     for kw in refused:
         with pytest.raises(ValueError) as ei:  # SamplingError is a ValueError too
             eng.generate(prompts, **kw)
-        after = (eng.meta.generator.get_state(), eng.meta.draft_generator.get_state())
-        assert all(torch.equal(a, b) for a, b in zip(before, after)), kw  # nothing reseeded, nothing drawn
-    assert isinstance(ei.value, graphctl.SamplingError) and "graphed_step(eng, sampling=Sampling(" in str(ei.value)
-    sampled = graphed_step(eng, "unrolled", buckets=(1, 2, 4), backend="emulated", sampling=Sampling(0.8, 0, 1.0))
+        assert all(torch.equal(a, b) for a, b in zip(before, state())), kw  # nothing written, nothing drawn
+    assert isinstance(ei.value, graphctl.SamplingError) and "graphed_step(eng, sampling=True)" in str(ei.value)
+    with pytest.raises(graphctl.SamplingError, match="request 1"):
+        eng.generate(prompts, 4, temperature=[0.8, -1.0, 0.8])
+    sampled = graphed_step(eng, "unrolled", buckets=(1, 2, 4), backend="emulated", sampling=True)
     got = eng.generate(prompts, 4, sampled, temperature=0.8, seed=5)  # the fix
     want = eng.generate(prompts, 4, temperature=0.8, seed=5)  # eager, the same seed: the same tokens
     assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "per_step"])
+def test_a_mixed_batch_is_each_request_s_own_run_and_greedy_rows_stay_greedy(mode, gen):
+    # Regression: issue 53, settings were baked per graph, so a batch could not mix greedy and sampled requests; one
+    # graph now serves every mix, each request's tokens those it gets with its settings whatever its companions'
+    # (compared at the same batch shape: only the other rows' settings change).
+    eng = hf.engine("tiny-llama", 3, hf.seed_of(gen))
+    prompts = hf.prompts(3, gen)
+    step = graphed_step(eng, mode, buckets=(1, 2, 4), backend="emulated", sampling=True)
+    temps, seeds = [0.0, 1.3, 0.9], [21, 22, 23]
+    mixed = eng.generate(prompts, 8, step, temperature=temps, top_p=[1.0, 0.9, 1.0], seed=seeds)
+    greedy = eng.generate(prompts, 8)  # the greedy step, all rows greedy
+    assert mixed.tokens[0].tolist() == greedy.tokens[0].tolist()
+    for r in (1, 2):  # the same request with every other row greedy, or every row at its settings
+        alone = [temps[r] if i == r else 0.0 for i in range(3)]
+        solo = eng.generate(prompts, 8, step, temperature=alone, top_p=[1.0, 0.9, 1.0], seed=seeds)
+        assert solo.tokens[r].tolist() == mixed.tokens[r].tolist(), r
+    eager = eng.generate(prompts, 8, temperature=temps, top_p=[1.0, 0.9, 1.0], seed=seeds)
+    assert [t.tolist() for t in eager.tokens] == [t.tolist() for t in mixed.tokens]
+    assert mixed.tokens[1].tolist() != greedy.tokens[1].tolist() or mixed.tokens[2].tolist() != \
+        greedy.tokens[2].tolist()  # the sampled rows did sample

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from graphctl import knobs
-from graphctl.ops import sampling
+from graphctl.ops import draws, sampling
 from graphctl.ops.sampling import probs_from_logits
 
 CASES = [(1, 7), (3, 33), (5, 1000), (2, 4099), (4, 32000)]  # rows, vocab: odd sizes and llama-1b's
@@ -76,10 +76,23 @@ print("ok")
 _CHECK_FAST = r"""
 import sys, torch
 from graphctl.ops import sampling_triton as st
-from graphctl.ops.sampling import noise, race, speculative_accept
+from graphctl.ops import draws
+from graphctl.ops.sampling import race, speculative_accept
 sys.path.insert(0, sys.argv[1])
 from unit.test_sampling_triton import SETTINGS, _logits
 gen = torch.Generator().manual_seed(int(sys.argv[2]))
+
+
+def noise(rows, vocab):
+    seed = torch.randint(0, 2**62, (rows,), generator=gen)
+    return draws.noise(seed, torch.randint(0, 999, (rows,), generator=gen), draws.TARGET, vocab)
+
+
+# the keyed noise kernel: the reference's integers, its -log within float32 rounding
+for rows, vocab in ((1, 7), (3, 4099), (2, 5000)):
+    keys = draws.row_keys(torch.randint(0, 2**62, (rows,), generator=gen), torch.randint(-2, 999, (rows,),
+                          generator=gen), draws.DRAFT)
+    torch.testing.assert_close(st.keyed_noise(keys, vocab), draws._reference(keys, vocab), rtol=1e-6, atol=0)
 # the search over 16-bit logits' patterns, and the start bound of the float32 one, change no bit of the full
 # 31-step bisection over float32 probabilities
 for rows, vocab in ((3, 33), (2, 4099), (2, 32000)):
@@ -91,11 +104,11 @@ for rows, vocab in ((3, 33), (2, 4099), (2, 32000)):
             st.KEYED, st._FLOOR_TOP_P = True, 0.9999
             fast = st.probs(logits, t, p)
             assert torch.equal(full, fast), (rows, vocab, dtype, t, p)
-            e = noise((rows + 1, vocab), gen, logits.device)
+            e = noise(rows + 1, vocab)
             assert torch.equal(st.race(fast, e), race(full, e)), (rows, vocab, dtype, t, p)  # race(): CPU reference
 # the race kernel takes rows of any strides (a view every other token here)
 wide = torch.softmax(torch.randn(4, 74, generator=gen), -1)[:, ::2]
-e = noise((5, 37), gen, wide.device)
+e = noise(5, 37)
 assert torch.equal(st.race(wide, e), race(wide, e))
 # the acceptance kernel draws what the reference draws from the same stream, q == p rows included
 for n, k, vocab in ((1, 1, 7), (3, 3, 33), (2, 4, 9000)):
@@ -108,11 +121,10 @@ for n, k, vocab in ((1, 1, 7), (3, 3, 33), (2, 4, 9000)):
             p[:, 0] /= p[:, 0].sum(-1, keepdim=True)
             q[:, 0] = p[:, 0]
             drafts[:, 0] = 0
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-        a = speculative_accept(p, q, drafts, torch.Generator().manual_seed(seed), n + 2)  # CPU: the reference
-        g2 = torch.Generator().manual_seed(seed)
-        u = torch.rand(n + 2, k, generator=g2)[:n]
-        b = st.accept(p, q, drafts, u, noise((n + 2, vocab), g2, p.device))
+        seed, pos = torch.randint(0, 2**62, (n,), generator=gen), torch.randint(0, 999, (n,), generator=gen)
+        a = speculative_accept(p, q, drafts, seed, pos)  # CPU: the reference
+        u = draws.uniform(seed[:, None], pos[:, None] + torch.arange(k), draws.ACCEPT)
+        b = st.accept(p, q, drafts, u, draws.noise(seed, pos, draws.TARGET, vocab))
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (n, k, vocab, same, a, b)
         assert not same or bool((a[0] == 1).all()), "the zero-residual case was not reached"
 print("ok")
@@ -201,15 +213,20 @@ def test_the_acceptance_and_race_kernels_draw_the_reference_s_tokens_on_cuda(gen
         p[0, 0] /= p[0, 0].sum()
         q[0, 0] = p[0, 0]
         drafts[0, 0] = 0
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        seed = torch.randint(0, 2**62, (n,), generator=gen).cuda()
+        pos = torch.randint(0, 999, (n,), generator=gen).cuda()
         out = {}
         for choice in ("triton", "reference"):
             with knobs.scope(sampling=choice):
-                out[choice] = sampling.speculative_accept(p, q, drafts, torch.Generator("cuda").manual_seed(seed), 16)
+                out[choice] = sampling.speculative_accept(p, q, drafts, seed, pos)
         assert sampling.ACCEPT.state.get("ran"), "triton should have launched the acceptance kernel"
         assert torch.equal(out["triton"][0], out["reference"][0]), (n, k, vocab)
         assert torch.equal(out["triton"][1], out["reference"][1]), (n, k, vocab)
-        e = sampling.noise((16, vocab), None, p.device)
+        with knobs.scope(sampling="reference"):
+            e = draws.noise(seed, pos, draws.TARGET, vocab)
+        with knobs.scope(sampling="triton"):
+            torch.testing.assert_close(draws.noise(seed, pos, draws.TARGET, vocab), e, rtol=1e-6, atol=0)
+        assert draws.NOISE.state.get("ran"), "triton should have launched the keyed noise kernel"
         with knobs.scope(sampling="triton"):
             tok = sampling.race(p[:, 0], e)
         assert sampling.RACE.state.get("ran"), "triton should have launched the race kernel"
