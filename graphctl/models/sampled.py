@@ -35,7 +35,7 @@ from graphctl.errors import SamplingError
 from graphctl.ops import draws
 from graphctl.ops.sampling import TEMPERATURE_FLOOR, check_settings, probs_from_logits, sample, speculative_accept
 
-__all__ = ["check_forward", "check_seed", "Sampling", "RequestSettings", "laws", "accept_sampled", "draft_draw",
+__all__ = ["check_forward", "check_seed", "takes_sampled_call", "Sampling", "RequestSettings", "laws", "accept_sampled", "draft_draw",
            "sample_step", "sample_tokens"]
 
 _SEED_LIMIT = 2**63 - 1
@@ -250,6 +250,19 @@ def check_seed(seed: Any) -> None:
                              or not 0 <= int(seed) < _SEED_LIMIT):
         raise SamplingError("a seed must be an int >= 0", buffer="seed", expected="None or an int in [0, 2**63 - 1)",
                             found=repr(seed), fix="pass e.g. seed=3")
+
+
+def takes_sampled_call(forward: Any, k: int, extra: int) -> bool:
+    """Whether ``forward`` takes ``generate``'s sampled call (``(ids, draft_probs, meta, None[, k])``,
+    ``(token, meta, None)`` at k 0): a sampled step then serves an all-greedy batch too, its rows
+    exactly greedy, rather than being refused as "not a greedy step"."""
+    if forward is None:
+        return False
+    try:
+        inspect.signature(forward).bind(*([None] * ((4 if k else 3) + extra)))
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def check_forward(forward: Any, sampled: bool, k: int, extra: int) -> None:

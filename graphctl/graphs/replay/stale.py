@@ -94,7 +94,9 @@ def watch(out: Any, cap: Any, where: str) -> Any:
 
 _USE_COUNT = torch._C._storage_Use_Count  # tensors (and Python storage objects) on a storage
 _MARK = torch._C._set_storage_data_ptr_access_error_msg
-_CLEAR = torch._C._clear_storage_data_ptr_access_error_msg
+# newer than torch 2.11 (graphctl's floor): without it a marked set is never unmarked, so a call after a
+# marked one takes a fresh set (new aliases: a few microseconds) instead of clearing the mark
+_CLEAR = getattr(torch._C, "_clear_storage_data_ptr_access_error_msg", None)
 _RELEASE = torch._C._set_storage_access_error_msg  # one tensor's: it lets go of its storage for good
 
 
@@ -215,7 +217,7 @@ class Handouts:
         p = self._calls & 1
         s = self._sets[p]
         if s is not None and s.marked:
-            if s.released or self._held(s.objs, s.counts, s.cdatas, s.own):
+            if s.released or _CLEAR is None or self._held(s.objs, s.counts, s.cdatas, s.own):
                 s = None  # the caller keeps them: stale for good, and a fresh set for this call
             else:
                 for cd in s.cdatas:

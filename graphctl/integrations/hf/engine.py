@@ -27,7 +27,7 @@ from graphctl.families.paged import KVCacheManager, PagedMetadata, paged_spec
 from graphctl.graphs.capture.compiled import is_compiled
 from graphctl.integrations.hf.attention import ATTENTION, PagedBatch, register
 from graphctl.models.mtp import EngineConfig, MTPEngine
-from graphctl.models.sampled import RequestSettings, Sampling, check_forward, laws
+from graphctl.models.sampled import RequestSettings, Sampling, check_forward, laws, takes_sampled_call
 from graphctl.ops.sampling import sample
 from graphctl.state import Registry, StateSpec, bind
 
@@ -304,23 +304,21 @@ class HFEngine(MTPEngine):
         step, ``1 <= k <= draft_len`` (default ``draft_len``), passed to ``forward`` when given
         (a runner with ``variants={"k": ...}`` serves each value from its own graphs). ``prefill``:
         the prefill pass (:meth:`prefill_step` by default, or :meth:`graphed_prefill`'s runner).
-        ``temperature``, ``top_k``, ``top_p`` and ``seed``: one value for every prompt or a list
-        with one a prompt (``temperature=[0.0, 0.8]``). A request at temperature 0 is greedy
-        (``top_k``/``top_p`` then unused); above it its tokens are sampled on the device (top-k 0
-        and top-p 1 are off) and speculative steps keep the target's distribution
-        (``models/sampled.py``). Where any request samples, ``forward`` is ``sample_step`` /
-        ``sample_decode_step`` or their graphed forms (``graphed_step(eng, sampling=True)``: one
-        graph for greedy, sampled and mixed batches). ``seed``: an int ``s`` gives prompt ``i`` the
-        seed ``s + i``, a list one each, None seeds drawn from torch's default generator; a
-        request's draws depend on its seed and positions only, so it gets the same tokens alone or
-        in any batch wherever its logits are the same (docs/transformers.md, "Sampling")."""
+        ``temperature``, ``top_k``, ``top_p``, ``seed``: one value for all prompts or one a prompt.
+        Temperature 0 is greedy; above it a request's tokens are sampled on the device, speculative
+        steps keeping the target's distribution (``models/sampled.py``). A sampled ``forward`` is
+        ``sample_step`` / ``sample_decode_step`` or their graphed forms (``graphed_step(eng,
+        sampling=True)``: one graph for greedy, sampled and mixed batches). ``seed``: an int ``s``
+        gives prompt ``i`` the seed ``s + i``; None draws seeds from torch's default generator. A
+        request's draws depend on its seed and positions only (docs/transformers.md, "Sampling")."""
         # every argument checked before anything changes: a refused call writes and draws nothing
         self.check_prompts(prompts)
         settings = RequestSettings.of(len(prompts), temperature, top_k, top_p, seed)  # checked even when greedy
-        sampling = True if settings.sampled else None
+        extra = () if k is None else (k,)  # a forward of (ids, meta) keeps working without k
+        sampled = settings.sampled or takes_sampled_call(forward, self.draft_len(k), len(extra))
+        sampling = True if sampled else None
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected a positive int, found {max_new_tokens!r}")
-        extra = () if k is None else (k,)  # a forward of (ids, meta) keeps working without k
         n, k, m = len(prompts), self.draft_len(k), self.meta
         context = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
         need = int(context.max()) + max_new_tokens + 3 * k + 3  # the step past the last one runs too
