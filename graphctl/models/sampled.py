@@ -35,8 +35,8 @@ from graphctl.errors import SamplingError
 from graphctl.ops import draws
 from graphctl.ops.sampling import TEMPERATURE_FLOOR, check_settings, probs_from_logits, sample, speculative_accept
 
-__all__ = ["check_forward", "check_seed", "takes_sampled_call", "Sampling", "RequestSettings", "laws", "accept_sampled", "draft_draw",
-           "sample_step", "sample_tokens"]
+__all__ = ["check_forward", "check_seed", "takes_sampled_call", "Sampling", "RequestSettings", "laws",
+           "accept_sampled", "draft_draw", "sample_step", "sample_tokens"]
 
 _SEED_LIMIT = 2**63 - 1
 

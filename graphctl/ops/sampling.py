@@ -85,6 +85,12 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
         fast = None if kernel is None else PICK.run(kernel, _not_filtered, logits, float(temperature), float(top_p))
         if fast is not None:
             return fast
+    settings = (temperature, top_k, top_p)
+    if all(isinstance(v, torch.Tensor) and v.numel() == rows for v in settings):
+        kernel = ROWS.kernel(logits.device)  # CUDA: one Triton program a row, each at its own settings
+        fast = None if kernel is None else ROWS.run(kernel, _not_filtered, logits, *settings, TEMPERATURE_FLOOR)
+        if fast is not None:
+            return fast
     x = logits.float()
     x = x / _scale(temperature, rows, x)
     xs = None  # the scaled logits sorted descending, where top-k sorted them already
@@ -124,9 +130,10 @@ def probs_from_logits(logits: torch.Tensor, temperature: _Setting = 1.0, top_k: 
     return p
 
 
-# GRAPHCTL_SAMPLING's choice (ops/triton_pick.py): the kernels of probs_from_logits' host-settings case,
-# of race and of speculative_accept
+# GRAPHCTL_SAMPLING's choice (ops/triton_pick.py): the kernels of probs_from_logits' host-settings and per-row
+# cases, of race and of speculative_accept
 PICK = TritonPick("sampling", "graphctl.ops.sampling_triton", "probs")
+ROWS = TritonPick("sampling", "graphctl.ops.sampling_triton", "probs_rows")
 ACCEPT = TritonPick("sampling", "graphctl.ops.sampling_triton", "accept")
 RACE = TritonPick("sampling", "graphctl.ops.sampling_triton", "race")
 

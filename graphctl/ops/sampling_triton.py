@@ -17,6 +17,14 @@ Sums are taken in a tree, not the reference's running order, so a row whose runn
 within float32 rounding of ``top_p`` may keep one token more or less than the reference. Fusing a
 draft step's race in was tried: the noise spilled the row's registers and cost 30 us a launch.
 
+**Per-row filtering** (``probs_rows``, reference ``probs_from_logits`` with per-row tensors): each row
+its own temperature, top-k and top-p, read from the device (a mixed batch in one launch, issue 53). A
+row below the temperature floor is the one-hot of its argmax; top-k keeps the tokens whose probability
+is at least the ``k``-th largest's (bisection over float32 probabilities' bit patterns on the count),
+then top-p bisects the same patterns on the mass of the renormalized kept set. Tokens whose float32
+probabilities round equal to the k-th's are kept with it (the reference compares logits): a law within
+rounding of the reference's, like the host-settings kernel at the top-p boundary.
+
 **Acceptance** (``accept``, reference ``speculative_accept``; with no drafts it is ``race``): one
 program a request reads its drafts' target and draft probabilities and its uniforms, counts the
 leading accepted drafts, then races the residual law (or the target's, for the bonus) against its
@@ -39,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["probs", "race", "accept", "keyed_noise", "MAX_VOCAB"]
+__all__ = ["probs", "probs_rows", "race", "accept", "keyed_noise", "MAX_VOCAB"]
 
 MAX_VOCAB = 32768  # a row of float32 in the registers of 16 warps: 64 values a thread
 KEYED = True  # 16-bit logits: search their bit patterns (16 steps), not float32 probabilities' (bench: False)
@@ -104,6 +112,68 @@ def _filter() -> Any:
         tl.store(OUT + r * so + offs, p, mask=mask)
 
     return graphctl_top_p
+
+
+@functools.cache
+def _filter_rows() -> Any:
+    @triton.jit
+    def graphctl_filter_rows(X, OUT, T, K, P, V, sx, so, floor_t, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < V
+        raw = tl.load(X + r * sx + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        t = tl.load(T + r)
+        k = tl.load(K + r)
+        top_p = tl.load(P + r)
+        greedy = t < floor_t
+        x = tl.math.div_rn(raw, tl.where(greedy, 1.0, t))
+        top = tl.max(x, 0)
+        e = tl.exp(x - top)
+        p = e * tl.math.div_rn(1.0, tl.sum(e, 0))
+        if (k > 0) & (k < V):  # the largest v with at least k tokens at p >= v
+            lo = tl.full((), 0, tl.int32)
+            hi = tl.max(p, 0).to(tl.int32, bitcast=True) + 1
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                ok = tl.sum(tl.where(p >= mid.to(tl.float32, bitcast=True), 1, 0), 0) >= k
+                lo = tl.where(ok, mid, lo)
+                hi = tl.where(ok, hi, mid)
+            p = tl.where(p >= lo.to(tl.float32, bitcast=True), p, 0.0)
+            p = p * tl.math.div_rn(1.0, tl.sum(p, 0))
+        if top_p < 1.0:  # the largest v whose tokens at p >= v hold at least top_p
+            lo = tl.full((), 0, tl.int32)
+            hi = tl.max(p, 0).to(tl.int32, bitcast=True) + 1
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                ok = tl.sum(tl.where(p >= mid.to(tl.float32, bitcast=True), p, 0.0), 0) >= top_p
+                lo = tl.where(ok, mid, lo)
+                hi = tl.where(ok, hi, mid)
+            p = tl.where(p >= lo.to(tl.float32, bitcast=True), p, 0.0)
+            p = p * tl.math.div_rn(1.0, tl.sum(p, 0))
+        _, best = tl.reduce((tl.where(mask, raw, float("-inf")), offs), 0, _first_max)
+        p = tl.where(greedy, tl.where(offs == best, 1.0, 0.0), p)
+        tl.store(OUT + r * so + offs, p, mask=mask)
+
+    return graphctl_filter_rows
+
+
+def probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               floor: float) -> torch.Tensor | None:
+    """[rows, vocab] logits -> float32 probabilities, row ``i`` at ``temperature[i]`` (below ``floor``:
+    the one-hot of its argmax), ``top_k[i]`` (0: off) and ``top_p[i]`` (1: off), all device tensors
+    of ``rows`` values; None where a row does not fit (vocab over ``MAX_VOCAB``)."""
+    rows, vocab = logits.shape
+    if vocab > MAX_VOCAB:
+        return None
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    t, k, p = (v.reshape(-1).to(logits.device, dt).contiguous() for v, dt in
+               ((temperature, torch.float32), (top_k, torch.int32), (top_p, torch.float32)))
+    out = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
+    if rows:
+        block = max(triton.next_power_of_2(vocab), 16)
+        _filter_rows()[(rows,)](x, out, t, k, p, vocab, x.stride(0), out.stride(0), float(floor), BLOCK=block,
+                                num_warps=max(1, min(16, block // 2048)))
+    return out
 
 
 def _bits(x: float) -> int:

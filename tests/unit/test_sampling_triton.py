@@ -73,6 +73,56 @@ assert probs(torch.randn(1, 40000), 1.0, 0.9) is None  # a row that does not fit
 print("ok")
 """
 
+def _assert_same_rows(got, want, logits, t, k, p, what) -> None:
+    """The per-row kernel's probabilities against the reference's, row by row: greedy rows the same one-hot; else
+    the same kept set and probabilities within 1e-5, or nested sets differing only by tokens of mass <= 1e-4 in the
+    top-k law or at the top-p boundary (as ``_assert_same_law``), equal over the tokens both keep, renormalized."""
+    from graphctl.ops.sampling import TEMPERATURE_FLOOR
+
+    for r in range(logits.shape[0]):
+        g, w = got[r], want[r]
+        if float(t[r]) < TEMPERATURE_FLOOR:
+            assert torch.equal(g, w), (what, r, "greedy")
+            continue
+        kg, kw = g > 0, w > 0
+        if torch.equal(kg, kw):
+            assert (g - w).abs().max().item() <= 1e-5, (what, r)
+            continue
+        assert int((kg & ~kw).sum()) == 0 or int((kw & ~kg).sum()) == 0, (what, r, "not nested")
+        x = logits[r].float()
+        q = probs_from_logits(logits[r:r + 1], float(t[r]), int(k[r]), 1.0)[0].double()  # the top-k law
+        for c in (kg ^ kw).nonzero()[:, 0].tolist():
+            before = float(q[x > x[c]].sum())
+            assert float(q[c]) <= 1e-4 or abs(before - float(p[r])) <= 2e-5, (what, r, c, float(q[c]), before)
+        both = kg & kw
+        gg, ww = g * both, w * both
+        torch.testing.assert_close(gg / gg.sum(), ww / ww.sum(), rtol=2e-4, atol=1e-6)
+
+
+_CHECK_ROWS = r"""
+import sys, torch
+from graphctl.ops.sampling import TEMPERATURE_FLOOR, probs_from_logits
+from graphctl.ops.sampling_triton import probs_rows
+sys.path.insert(0, sys.argv[1])
+from unit.test_sampling_triton import CASES, _assert_same_rows, _logits
+gen = torch.Generator().manual_seed(int(sys.argv[2]))
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for rows, vocab in CASES[:4]:
+        rows = rows + 3  # greedy, top-k only, top-p only rows beside random mixes
+        logits = _logits(gen, rows, vocab, dtype)
+        t = torch.rand(rows, generator=gen) * 2 + 0.2
+        k = torch.randint(0, 12, (rows,), generator=gen).to(torch.int32)
+        p = torch.rand(rows, generator=gen) * 0.9 + 0.1
+        t[0] = 0.0
+        p[1], k[2] = 1.0, 0
+        if rows > 4:
+            k[3] = vocab  # top-k of the whole vocabulary: off
+        got = probs_rows(logits, t, k, p, TEMPERATURE_FLOOR)
+        want = probs_from_logits(logits, t, k, p)  # CPU tensors: the reference
+        _assert_same_rows(got, want, logits, t, k, p, ("seed", sys.argv[2], dtype, rows, vocab))
+print("ok")
+"""
+
 _CHECK_FAST = r"""
 import sys, torch
 from graphctl.ops import sampling_triton as st
@@ -149,6 +199,12 @@ def test_the_triton_filtering_equals_the_reference_in_triton_s_interpreter(gen):
     _interpret(_CHECK, gen, timeout=600)
 
 
+def test_the_per_row_filtering_kernel_equals_the_reference_in_the_interpreter(gen):
+    # Regression: issue 53, per-request settings (a tensor a row) ran PyTorch's sort and scan: a sampled step cost
+    # 1.27-1.36x a greedy one on an H100; the per-row kernel must keep each row's law, greedy rows exactly greedy.
+    _interpret(_CHECK_ROWS, gen, timeout=900)
+
+
 def test_the_fast_search_race_and_acceptance_kernels_equal_their_references_in_the_interpreter(gen):
     # Regression: issue 34, sampling cost 1.07x greedy: 16-bit logits are searched in 16 steps, the race and
     # the acceptance are one kernel each; none may change a token.
@@ -183,6 +239,27 @@ def test_the_triton_filtering_equals_the_reference_on_cuda(gen, dtype):
             with knobs.scope(sampling="reference"):
                 want = probs_from_logits(logits, t, 0, p)
             _assert_same_law(got, want, logits, t, (dtype, rows, vocab, t, p), p)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_per_row_triton_filtering_equals_the_reference_on_cuda(gen, dtype):
+    # Regression: issue 53, per-request settings ran PyTorch's sort and scan on CUDA (1.27-1.36x a greedy step).
+    pytest.importorskip("triton")
+    for rows, vocab in CASES:
+        rows += 3
+        logits = _logits(gen, rows, vocab, dtype).cuda()
+        t = torch.rand(rows, generator=gen) * 2 + 0.2
+        k = torch.randint(0, 12, (rows,), generator=gen).to(torch.int32)
+        p = torch.rand(rows, generator=gen) * 0.9 + 0.1
+        t[0], p[1], k[2] = 0.0, 1.0, 0
+        dev = [v.cuda() for v in (t, k, p)]
+        with knobs.scope(sampling="triton"):
+            got = probs_from_logits(logits, *dev)
+        assert sampling.ROWS.state.get("ran"), "triton should have launched the per-row kernel"
+        with knobs.scope(sampling="reference"):
+            want = probs_from_logits(logits, *dev)
+        _assert_same_rows(got.cpu(), want.cpu(), logits.cpu(), t, k, p, (dtype, rows, vocab))
 
 
 @pytest.mark.cuda
