@@ -80,9 +80,9 @@ KNOBS: tuple[Knob, ...] = (
          "two Triton kernels directly, skipping the dispatcher and a dozen small ops a layer; `0` runs them "
          "through the ops, as warmups, captures and compiled models always do."),
     Knob("sampling", "GRAPHCTL_SAMPLING", _parse_choice("auto", "triton", "reference"), "auto", "runtime",
-         "Sampling's CUDA kernels: the filtering (temperature and top-p to probabilities, host settings, top-k "
-         "off, vocabularies up to 32,768), the race and speculative acceptance: `auto` "
-         "(Triton, one program a row, where Triton imports and builds, else the reference), `triton` (an error "
+         "Sampling's CUDA kernels: the filtering (host settings with top-k off, or each row's own temperature, "
+         "top-k and top-p; vocabularies up to 32,768), the keyed noise, the race and speculative acceptance: "
+         "`auto` (Triton, where Triton imports and builds, else the reference), `triton` (an error "
          "without Triton) or `reference` (PyTorch: sort and scan, a dozen small kernels for the acceptance). "
          "Other devices, other settings and larger vocabularies always run the reference."),
     Knob("graphed_recompute", "GRAPHCTL_GRAPHED_RECOMPUTE", _parse_bool, True, "runtime",

@@ -630,6 +630,12 @@ def _check_seed(seed):
     check_seed(seed)
 
 
+def _request_settings(n, **kw):
+    from graphctl.models import RequestSettings
+
+    RequestSettings.of(n, **kw)
+
+
 def _check_forward_greedy_sampled():
     from graphctl.models.sampled import check_forward
 
@@ -1178,6 +1184,20 @@ CASES: list[Case] = [
         lambda: _check_seed(-1),
     ),
     Case(
+        "sampling-per-prompt",
+        SamplingError,
+        "use",
+        "a per-prompt setting list of the wrong length (generate(3 prompts, temperature=[0.5, 0.7]))",
+        lambda: _request_settings(3, temperature=[0.5, 0.7]),
+    ),
+    Case(
+        "sampling-request",
+        SamplingError,
+        "use",
+        "one bad value in a per-prompt list (temperature=[0.8, -1.0, 0.8]): the request named",
+        lambda: _request_settings(3, temperature=[0.8, -1.0, 0.8]),
+    ),
+    Case(
         "sampling-forward",
         SamplingError,
         "use",
@@ -1466,7 +1486,7 @@ CASES: list[Case] = [
          "(or switch, pad) inside the open switch", _region_uses_state_in_switch),
     Case("region-fullgraph", CaptureError, "capture", "an eager region inside a torch.compile(fullgraph=True) "
          "forward", _region_fullgraph),
-    Case("sampling-type", DeclarationError, "declaration", "graphed_step(eng, sampling=0.8): not a Sampling",
+    Case("sampling-type", DeclarationError, "declaration", "graphed_step(eng, sampling=0.8): not True or a Sampling",
          _sampling_not_settings),
 ]
 
