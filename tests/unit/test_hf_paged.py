@@ -391,14 +391,16 @@ def test_a_refused_generate_changes_nothing_and_a_greedy_step_asked_to_sample_sa
     assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
 
 
-@pytest.mark.parametrize("mode", ["unrolled", "per_step"])
-def test_a_mixed_batch_is_each_request_s_own_run_and_greedy_rows_stay_greedy(mode, gen):
+@pytest.mark.parametrize("mode", ["unrolled", "per_step", "device_loop"])
+def test_a_mixed_batch_is_each_request_s_own_run_and_greedy_rows_stay_greedy(mode, backend, device, gen):
     # Regression: issue 53, settings were baked per graph, so a batch could not mix greedy and sampled requests; one
     # graph now serves every mix, each request's tokens those it gets with its settings whatever its companions'
     # (compared at the same batch shape: only the other rows' settings change).
-    eng = hf.engine("tiny-llama", 3, hf.seed_of(gen))
-    prompts = hf.prompts(3, gen)
-    step = graphed_step(eng, mode, buckets=(1, 2, 4), backend="emulated", sampling=True)
+    if mode == "device_loop" and backend != "cuda":
+        pytest.skip("device_loop needs CUDA")
+    eng = hf.engine("tiny-llama", 3, hf.seed_of(gen), device=device)
+    prompts = [p.to(device) for p in hf.prompts(3, gen)]
+    step = graphed_step(eng, mode, buckets=(1, 2, 4), backend=backend, sampling=True)
     temps, seeds = [0.0, 1.3, 0.9], [21, 22, 23]
     mixed = eng.generate(prompts, 8, step, temperature=temps, top_p=[1.0, 0.9, 1.0], seed=seeds)
     greedy = eng.generate(prompts, 8)  # the greedy step, all rows greedy

@@ -159,3 +159,18 @@ def test_each_finding_kind_is_one_record_defined_with_its_watcher():
             assert inspect.getmodule(kind.watcher).__name__ == modules[kind], (kind, kind.watcher)
     assert len(set(modules.values())) == len(findings.KINDS), modules  # one module a kind
     assert len({k.kind for k in findings.KINDS}) == len(findings.KINDS)
+
+
+def test_import_graphctl_loads_no_compiler_kernel_library_or_cli():
+    # Regression: issue 54, `import graphctl` took 3.5 s against torch's 1.8 s (every CLI call, --help too): dynamo
+    # (2 s of it, with sympy and Triton behind it) was imported for two isinstance checks. Heavy imports wait for use.
+    import subprocess
+    import sys
+
+    heavy = ("torch._dynamo", "torch._inductor", "triton", "transformers", "rich", "hypothesis", "graphctl.cli",
+             "graphctl.integrations.hf")
+    code = ("import sys, graphctl, graphctl.models; "  # graphctl.testing is Hypothesis' surface: it imports it
+            f"print([m for m in {heavy!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"imported by `import graphctl`: {out.stdout.strip()}"

@@ -109,15 +109,18 @@ def test_speculative_sampling_keeps_each_request_s_own_law_in_a_mixed_batch(draf
                 assert chi2_p(torch.bincount(emitted, minlength=vocab), want[j]) > ALPHA, (draft_kind, g_i, j)
 
 
-def _engine():
-    return MTPEngine(EngineConfig(draft_len=3, max_seqs=4, max_context=160), device="cpu", oracle=False)
+def _engine(device: str = "cpu"):
+    return MTPEngine(EngineConfig(draft_len=3, max_seqs=4, max_context=160), device=device, oracle=False)
 
 
-def test_a_request_gets_the_same_tokens_with_any_companions_at_its_row(gen):
+@pytest.mark.parametrize("mode", ["unrolled", "per_step", "device_loop"])
+def test_a_request_gets_the_same_tokens_with_any_companions_at_its_row(mode, backend, device, gen):
     # Regression: issue 53, a request sampled with a batch-shared stream got other tokens when its companions changed.
     # The same row and batch shape (the logits are then the same), other companions' prompts and settings.
-    eng = _engine()
-    step = graphed_step(eng, "unrolled", buckets=(4,), backend="emulated", sampling=True)
+    if mode == "device_loop" and backend != "cuda":
+        pytest.skip("device_loop needs CUDA")
+    eng = _engine(device)
+    step = graphed_step(eng, mode, buckets=(4,), backend=backend, sampling=True)
     mine = eng.prompts(1, gen)[0]
     runs = []
     for _ in range(3):

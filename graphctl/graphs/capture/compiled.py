@@ -28,27 +28,35 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import sys
 import types
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch._dynamo.eval_frame import OptimizedModule
-from torch._dynamo.utils import counters
 
 from graphctl.errors import DeclarationError
 
-__all__ = ["unwrap", "is_compiled", "eager", "Counters", "refuse_inductor_graphs", "never_compiled"]
+__all__ = ["unwrap", "is_compiled", "is_optimized_module", "eager", "Counters", "refuse_inductor_graphs",
+           "never_compiled"]
 
 _ORIG = "_torchdynamo_orig_callable"  # set by torch.compile on the function it returns
 _DISABLED = "_torchdynamo_disable"  # set by torch.compiler.disable (which sets _ORIG too)
 _CALLS = (torch.nn.Module.__call__, torch.nn.Module._wrapped_call_impl, torch.nn.Module._call_impl)
 
 
+def is_optimized_module(obj: Any) -> bool:
+    """``obj`` is a compiled module (dynamo's ``OptimizedModule``), asked without importing dynamo,
+    two thirds of ``import graphctl``'s time otherwise (issue 54): before anything imported
+    ``torch._dynamo``, nothing can have made one."""
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    return frame is not None and isinstance(obj, frame.OptimizedModule)
+
+
 def is_compiled(obj: Any) -> bool:
     """A compiled module, or a function ``torch.compile`` returned (not one ``torch.compiler.disable``
     returned, such as an ``@graphctl.eager`` region: dynamo never compiles it)."""
-    return isinstance(obj, OptimizedModule) or (isinstance(obj, types.FunctionType) and _ORIG in vars(obj)
+    return is_optimized_module(obj) or (isinstance(obj, types.FunctionType) and _ORIG in vars(obj)
                                                 and not vars(obj).get(_DISABLED))
 
 
@@ -56,7 +64,7 @@ def unwrap(fn: Any) -> Any:
     """The user's code behind compile wrappers: a compiled function's original, a compiled
     module's original ``forward``; a module (or its bound ``__call__``) becomes its ``forward``."""
     for _ in range(8):  # wrappers nest (a compiled compiled function); a cycle would be a torch bug
-        if isinstance(fn, OptimizedModule):
+        if is_optimized_module(fn):
             fn = fn._orig_mod
         elif isinstance(fn, types.FunctionType) and _ORIG in vars(fn):
             fn = vars(fn)[_ORIG]
@@ -87,7 +95,7 @@ def refuse_inductor_graphs(fn: Any, found: Iterable[Any]) -> None:
     for path, obj in [("the forward", fn), *((s.path, s.obj) for s in found)]:
         if not is_compiled(obj):
             continue
-        call: Any = obj.forward if isinstance(obj, OptimizedModule) else obj
+        call: Any = obj.forward if is_optimized_module(obj) else obj
         try:
             config = call.get_compiler_config() or {}
         except Exception:  # a backend without a config (aot_eager, a custom callable): no Inductor graphs
@@ -109,7 +117,7 @@ def never_compiled(fn: Any, found: Iterable[Any]) -> list[str]:
 
     out = []
     for path, obj in [("forward", fn), *((s.path, s.obj) for s in found)]:
-        if not is_compiled(obj) or isinstance(obj, OptimizedModule):
+        if not is_compiled(obj) or is_optimized_module(obj):
             continue
         user = unwrap(obj)
         code = getattr(user.__func__ if inspect.ismethod(user) else user, "__code__", None)
@@ -130,6 +138,8 @@ class Counters:
 
     @staticmethod
     def now() -> Counters:
+        from torch._dynamo.utils import counters  # dynamo's import is paid where compiled code is
+
         return Counters(counters["frames"]["total"], counters["stats"]["unique_graphs"],
                         sum(counters["graph_break"].values()))
 

@@ -36,9 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._dynamo.eval_frame import OptimizedModule
 
-from graphctl.graphs.capture.compiled import is_compiled, unwrap
+from graphctl.graphs.capture.compiled import is_compiled, is_optimized_module, unwrap
 from graphctl.state import BoundState
 
 __all__ = ["MAX_DEPTH", "MAX_NODES", "Reach", "Root", "TensorLeaf", "HostLeaf", "SiteLeaf", "roots", "walk",
@@ -234,8 +233,8 @@ def _add_site(r: Reach, path: str, v: Any, root: Root, holder: Any, how: str, ke
     if isinstance(v, torch.nn.Module):
         if vars(v).get("forward") is skip:
             return
-        r.sites.append(SiteLeaf(path if isinstance(v, OptimizedModule) else f"{path}.forward", v
-                                if isinstance(v, OptimizedModule) else vars(v)["forward"],
+        r.sites.append(SiteLeaf(path if is_optimized_module(v) else f"{path}.forward", v
+                                if is_optimized_module(v) else vars(v)["forward"],
                                 _getter(v.__dict__, "forward", False), _setter(v.__dict__, "forward", False)))
     elif how == "root":
         if root.put is not None:
