@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -104,9 +105,15 @@ def _one_line(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _stage(name: str, rc: int) -> Iterator[None]:
-    """Any ``Exception`` inside becomes one line naming the stage (and the bucket, where the
-    error knows it); ``KeyboardInterrupt`` and ``SystemExit`` propagate as themselves."""
+def _stage(run: Run, phase: str, name: str, rc: int) -> Iterator[None]:
+    """A stage, timed into ``run.phases[phase]`` and, with progress on, said on stderr as it starts
+    and, past 2 s, as it ends (verify, audit and coverage were silent for up to 30 s, issue 54).
+    Any ``Exception`` inside becomes one line naming the stage (and the bucket, where the error
+    knows it); ``KeyboardInterrupt`` and ``SystemExit`` propagate as themselves."""
+    said = _shows_progress(run.args)
+    if said:
+        print(f"graphctl: {name} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
     try:
         yield
     except _Stop:
@@ -117,6 +124,15 @@ def _stage(name: str, rc: int) -> Iterator[None]:
         # a CaptureError wraps the forward's own exception: that one is the news
         shown = exc.__cause__ if isinstance(exc, CaptureError) and exc.__cause__ is not None else exc
         raise _Stop(rc, f"{name}{where} failed: {_one_line(shown)}", exc) from exc
+    finally:
+        run.phases[phase] = run.phases.get(phase, 0.0) + time.perf_counter() - t0
+    if said and run.phases[phase] > 2.0:
+        print(f"graphctl: {name}: {run.phases[phase]:.1f} s", file=sys.stderr, flush=True)
+
+
+def _shows_progress(args: argparse.Namespace) -> bool:
+    """``--progress`` / ``--no-progress``, else whether stderr is a terminal (the runner's own rule)."""
+    return args.progress if args.progress is not None else sys.stderr.isatty()
 
 
 def run_capture(args) -> int:
@@ -183,6 +199,7 @@ class Run:
     rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # coverage, a row per served range
     report: Report | None = None
     rc: int = 0
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds a stage: load, setup, capture, ...
 
     @property
     def units(self) -> list[tuple[str, Any]]:  # (variant label, unit runner); a plain runner's one is unlabelled
@@ -208,7 +225,7 @@ def _load(run: Run) -> None:
     spec, extra = ((HF_TARGET, {"hf_config": args.hf_config, "compile": args.compile}) if args.hf_config
                    else (args.target or BUILTIN, {}))
     ks = sorted(set(args.draft_len))  # several: the factory's variants, one runner (draft_lens=)
-    with _stage("loading the target", 2):
+    with _stage(run, "load", "loading the target", 2):
         try:
             if len(ks) > 1:
                 extra["draft_lens"] = tuple(ks)
@@ -228,7 +245,7 @@ def _load(run: Run) -> None:
 def _build(run: Run) -> None:
     t = run.target
     assert t is not None
-    with _stage("setting up the runner (the target's state, inputs or params)", 2):
+    with _stage(run, "setup", "setting up the runner (the target's state, inputs or params)", 2):
         try:
             inspect.signature(t.forward).bind(*t.example)
         except TypeError as exc:  # the example does not fit the forward: the target's fault, before any run
@@ -243,7 +260,7 @@ def _build(run: Run) -> None:
 
 def _capture(run: Run) -> None:
     assert run.target is not None
-    with _stage("capture", 1):
+    with _stage(run, "capture", "capture (warmup and capture of every bucket)", 1):
         run.runner.capture_all(*run.target.example)
 
 
@@ -251,25 +268,25 @@ def _measure(run: Run) -> None:
     # emulated graphs re-run every op from Python: their timings mean nothing, so they cost nothing unless asked
     run.timed = run.args.time if run.args.time is not None else run.use_cuda
     if run.timed:
-        with _stage("timing replay against eager", 1):
+        with _stage(run, "timing", "timing replay against eager", 1):
             run.runner.measure(iters=run.args.iters)
 
 
 def _verify(run: Run) -> None:
     if run.args.verify:
-        with _stage("verify", 1):
+        with _stage(run, "verify", "verify", 1):
             for r in run.runner.verify(gen=torch.Generator().manual_seed(run.args.seed)):
                 run.verify.setdefault((r.variant, r.bucket), []).append(r)
 
 
 def _audit(run: Run) -> None:
     if run.args.audit:
-        with _stage("audit", 1):
+        with _stage(run, "audit", "audit", 1):
             run.audits = dict(run.runner.audit(confirm=run.args.audit == "confirm"))
 
 
 def _coverage(run: Run) -> None:
-    with _stage("coverage", 1):
+    with _stage(run, "coverage", "coverage", 1):
         served = run.runner.coverage(range(1, run.max_batch + 1))
         for label, r in run.units:
             run.rows += coverage_rows({k.bucket: s for k, s in served.items() if k.variant == label},
@@ -292,6 +309,7 @@ def _show(run: Run) -> None:
               ", ".join(f"{b.variant + ' ' if b.variant else ''}bucket {b.bucket} {b.warmup_ms:.1f}"
                         for b in report.buckets))
     con.print(render.coverage_table(run.rows))
+    con.print("phases (s): " + ", ".join(f"{p} {t:.1f}" for p, t in run.phases.items()))
     if report.compiled:
         con.print(escape(report.compile_summary))
         line = f"compiled frames run uncompiled: {report.uncompiled}"
@@ -362,7 +380,7 @@ def _write(run: Run) -> None:
                "audit": {f"{label} {b}".strip(): a.to_dict() for (label, b), a in run.audits.items()},
                "coverage": [{k: r[k] for k in ("batch", "served_by", "tokens", "padding", "variant")}
                             for r in run.rows],
-               "exit_code": run.rc}
+               "phases_s": run.phases, "exit_code": run.rc}
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=2, default=str)
         con.print(f"JSON: {args.json}")

@@ -14,9 +14,11 @@ tuple ``("k=3", 8)``; both unpack as ``variant, bucket``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 from graphctl.errors import CaptureError, RepointError
@@ -30,7 +32,18 @@ from graphctl.graphs.replay import measure as _measure
 from graphctl.graphs.replay.repoint import plan_repoint
 from graphctl.state.interrupts import deferred
 
-__all__ = ["Key", "Unit", "RunnerFace"]
+__all__ = ["Key", "Unit", "RunnerFace", "timed"]
+
+
+@contextlib.contextmanager
+def timed(runner: Any, phase: str) -> Iterator[None]:
+    """Seconds spent in ``phase`` (capture, verify, audit, coverage, measure) added to the runner's
+    ``phase_s``: ``report().phases`` (issue 54: a person waits through each, the report says how long)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        runner.phase_s[phase] = runner.phase_s.get(phase, 0.0) + time.perf_counter() - t0
 
 
 def _replay_bucket(runner: Any, cap: Any, bucket: int) -> None:
@@ -75,6 +88,7 @@ class RunnerFace:
     """The operations every runner has, defined once over :meth:`units` (see the module docstring)."""
 
     fn: Any
+    phase_s: dict[str, float]  # seconds in each phase so far (timed), set empty by each runner's __init__
 
     def units(self) -> tuple[Unit, ...]:
         """Every unit, in declared order (a plain runner: itself, unlabelled)."""
@@ -92,15 +106,16 @@ class RunnerFace:
     def report(self) -> Report:
         """One report: a row per (variant, bucket), every unit's findings merged, each listed once."""
         parts = [(u.label, u.runner._unit_report()) for u in self.units()]
-        return Report.merge(name_of(self.fn), parts, self.fallbacks)
+        return dataclasses.replace(Report.merge(name_of(self.fn), parts, self.fallbacks), phases=dict(self.phase_s))
 
     def verify(self, **options: Any) -> tuple[VerifyResult, ...]:
         """Eager against replay per (variant, bucket), outputs and padding poisoned
         (``analysis/verify.py``: gen, rtol, atol, writes, inside)."""
         out = []
-        for u in self.units():
-            u.runner._captured_or_raise("verify()")
-            out += [dataclasses.replace(r, variant=u.label) for r in _verify(u.runner, **options)]
+        with timed(self, "verify"):
+            for u in self.units():
+                u.runner._captured_or_raise("verify()")
+                out += [dataclasses.replace(r, variant=u.label) for r in _verify(u.runner, **options)]
         return tuple(out)
 
     def audit(self, params: Any = None, confirm: bool = False) -> dict[Key, Audit]:
@@ -109,11 +124,12 @@ class RunnerFace:
         ``params=`` or a decorated method's module). ``confirm``: replay with each possible finding's
         freed block poisoned (``analysis/confirm.py``); the caller's state is put back."""
         out: dict[Key, Audit] = {}
-        for u in self.units():
-            r = u.runner
-            cap = r._captured_or_raise("audit()")
-            found = audit_runner(r, params, confirm, replay=functools.partial(_replay_bucket, r, cap))
-            out.update({Key(u.label, b): a for b, a in found.items()})
+        with timed(self, "audit"):
+            for u in self.units():
+                r = u.runner
+                cap = r._captured_or_raise("audit()")
+                found = audit_runner(r, params, confirm, replay=functools.partial(_replay_bucket, r, cap))
+                out.update({Key(u.label, b): a for b, a in found.items()})
         return out
 
     def coverage(self, sizes: Iterable[int] | None = None) -> dict[Key, str]:
@@ -121,17 +137,19 @@ class RunnerFace:
         items), what served a call on the example's first ``n`` items: ``"bucket B"``,
         ``"eager: <reason>"`` or ``"error: <message>"``."""
         out: dict[Key, str] = {}
-        for u in self.units():
-            u.runner._captured_or_raise("coverage()")
-            out.update({Key(u.label, n): s for n, s in _measure.coverage(u.runner, sizes).items()})
+        with timed(self, "coverage"):
+            for u in self.units():
+                u.runner._captured_or_raise("coverage()")
+                out.update({Key(u.label, n): s for n, s in _measure.coverage(u.runner, sizes).items()})
         return out
 
     def measure(self, iters: int = 20) -> Any:
         """Median µs of the graphed call and of the eager forward, per (variant, bucket), into the
         report's rows (``graphs/replay/measure.py``)."""
-        for u in self.units():
-            u.runner._captured_or_raise("measure()")
-            _measure.measure(u.runner, iters)
+        with timed(self, "measure"):
+            for u in self.units():
+                u.runner._captured_or_raise("measure()")
+                _measure.measure(u.runner, iters)
         return self
 
     def repoint(self, state: Any) -> dict[Key, int]:

@@ -44,7 +44,7 @@ from graphctl.graphs.capture.calls import Signature, name_of, wraps
 from graphctl.graphs.capture.inputs import StaticInput
 from graphctl.graphs.capture.passes import capture_buckets
 from graphctl.graphs.capture.record import Capture
-from graphctl.graphs.face import RunnerFace, Unit
+from graphctl.graphs.face import RunnerFace, Unit, timed
 from graphctl.graphs.findings.hoststate import HostChange
 from graphctl.graphs.findings.side_effects import SideEffect
 from graphctl.graphs.options import Options, per_instance
@@ -86,6 +86,7 @@ class GraphRunner(RunnerFace):
         self.capture: Capture | None = None  # None: nothing captured
         self._agreement: Agreement | None = None
         self._fallbacks: dict[str, int] = {}
+        self.phase_s: dict[str, float] = {}
         self._streak = 0  # calls since the last replay, all eager (a bypassed runner: see _unservable)
         self._units = (Unit((), self),)
 
@@ -149,7 +150,8 @@ class GraphRunner(RunnerFace):
         try:
             arguments = self._sig.bind(args, kwargs)
             self.capture = Capture.make(self._sig, arguments, args, kwargs, self.options, self.state)
-            capture_buckets(self.fn, self.capture, self.options, arguments)
+            with timed(self, "capture"):
+                capture_buckets(self.fn, self.capture, self.options, arguments)
         except BaseException:
             self.reset()  # never keep some buckets of a failed capture_all: a call would find holes
             raise

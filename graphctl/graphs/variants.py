@@ -38,7 +38,7 @@ from graphctl.errors import CaptureError, DeclarationError, ReplayError
 from graphctl.graphs.capture.bucket import gc_held
 from graphctl.graphs.capture.calls import Signature, name_of, wraps
 from graphctl.graphs.capture.inputs import Buckets, StaticInput
-from graphctl.graphs.face import RunnerFace, Unit
+from graphctl.graphs.face import RunnerFace, Unit, timed
 from graphctl.graphs.options import Options, SharedPool, per_instance, variant_key
 from graphctl.graphs.runner import GraphRunner
 
@@ -61,6 +61,7 @@ class VariantRunner(RunnerFace):
         assert options.variants is not None
         self.fn, self.options = fn, options
         self._sig = Signature(fn)
+        self.phase_s: dict[str, float] = {}
         self._names = tuple(name for name, _ in options.variants)
         inputs = {si.name for si in options.inputs or ()}
         for name in self._names:
@@ -116,7 +117,7 @@ class VariantRunner(RunnerFace):
         arguments = self._sig.bind(args, kwargs)
         given = {n: arguments[n] for n in self._names}
         try:
-            with gc_held():  # one collection for every variant's capture (each runner's nests in it)
+            with gc_held(), timed(self, "capture"):  # one collection for every variant's capture
                 self._capture_each(arguments, given)
         except BaseException:
             self.reset()

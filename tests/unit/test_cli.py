@@ -301,3 +301,42 @@ def test_max_seqs_names_the_largest_batch_as_the_engines_do(capsys):
     # Regression: issue 55, the engines say max_seqs where the CLI said only --max-batch.
     rc, out = _capture(capsys, "--max-seqs", "2", "--no-progress")
     assert rc == 0 and "buckets [1, 2]" in out, out
+
+
+def test_every_stage_says_it_started_and_its_time_lands_in_the_output_json_and_report(capsys, tmp_path):
+    # Regression: issue 54, verify, audit and the coverage pass printed nothing for up to 30 s after the capture's
+    # progress bar ended, and no phase's time was reported anywhere.
+    j = tmp_path / "r.json"
+    rc = main(["capture", "--backend", "emulated", "--max-batch", "2", "--verify", "--audit", "--time", "--iters", "2",
+               "--progress", "--json", str(j)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out
+    for name in ("loading the target", "setting up the runner", "capture", "timing", "verify", "audit", "coverage"):
+        assert f"graphctl: {name}" in cap.err, (name, cap.err)
+    phases = json.loads(j.read_text())["phases_s"]
+    assert set(phases) == {"load", "setup", "capture", "timing", "verify", "audit", "coverage"}
+    assert all(v >= 0 for v in phases.values())
+    assert "phases (s): load " in cap.out
+    quiet = main(["capture", "--backend", "emulated", "--max-batch", "2", "--no-progress"])
+    assert quiet == 0 and "graphctl: " not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variants", [False, True])
+def test_a_runner_s_report_holds_the_seconds_of_each_phase(variants):
+    # Regression: issue 54, the report said how long each bucket's warmup and capture took, not verify's, audit's or
+    # coverage's; a variant runner has the same phases (one face).
+    import graphctl
+
+    fwd = (lambda x, k: x * k) if variants else (lambda x: x * 2)
+    f = graphctl.graphed(fwd, buckets=[2, 4], backend="emulated", progress=False, inputs=["x"],
+                         variants={"k": (2, 3)} if variants else None)
+    args = (torch.randn(4, 3), 2) if variants else (torch.randn(4, 3),)
+    f.capture_all(*args)
+    assert set(f.report().phases) == {"capture"}
+    f.verify()
+    f.audit()
+    f.coverage()
+    f.measure(iters=1)
+    phases = f.report().phases
+    assert set(phases) == {"capture", "verify", "audit", "coverage", "measure"} and all(v > 0 for v in phases.values())
+    assert f.report().to_dict()["phases"] == phases

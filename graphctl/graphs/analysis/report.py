@@ -101,6 +101,9 @@ class Report:
     # what the capture's walk of the forward's objects saw and left out (graphs/findings/reach.py): objects,
     # tensors, host_values, paths_checked, paths_unchecked (past the cap), past_depth, past_bound
     reach: dict[str, int] = dataclasses.field(default_factory=dict)
+    # seconds the runner spent in each phase so far: capture (warmups and captures), verify, audit, coverage,
+    # measure (graphs/face.py's timed; per bucket, warmup_ms and capture_ms are in the rows)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
     # each kind's records as JSON dicts (graphs/findings/: the JSON key is the kind's)
     side_effects = property(lambda self: grouped(self.records)["side_effects"])
