@@ -108,6 +108,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("arch_list", "TORCH_CUDA_ARCH_LIST", str, "9.0a;10.0a", "build",
          "CUDA architectures to compile for (torch's own variable); graphctl's default targets "
          "H100/H200 (`9.0a`) and B200 (`10.0a`)."),
+    Knob("compile_cache", "GRAPHCTL_COMPILE_CACHE", str, "", "runtime",
+         "A directory for torch's compile caches (Inductor's FX-graph and AOTAutograd caches, Triton's kernels), set "
+         "as `TORCHINDUCTOR_CACHE_DIR` and `TRITON_CACHE_DIR` (overriding them) before graphctl warms up a "
+         "compiled forward: a second process compiling the same models finds their artifacts there (the report says "
+         "how many of each bucket's graphs came from the cache). Empty: torch's own default "
+         "(`/tmp/torchinductor_<user>`), which a second process on the same machine also reuses."),
     Knob("check_paths", "GRAPHCTL_CHECK_PATHS", _parse_bool, True, "runtime",
          "Before every replay, re-resolve the paths (an argument's attribute, `self.…`, a closure cell, a named "
          "global) to the tensors the capture read or wrote that graphctl does not own, and raise `ReplayError` "

@@ -158,3 +158,43 @@ def test_a_compiled_function_dynamo_skips_for_good_is_counted(gen, caplog):
     with caplog.at_level(logging.WARNING, logger="graphctl"):
         f.capture_all(torch.randn(2, 6, generator=gen))
     assert f.report().uncompiled == 1 and "no compiled code after the warmups" in caplog.text, caplog.text
+
+
+_WARM = r"""
+import json, sys, torch, graphctl
+torch.manual_seed(0)
+w = torch.randn(16, 16)
+
+def fwd(x):
+    return torch.nn.functional.gelu(x @ w) * 2 + 1
+
+f = graphctl.graphed(torch.compile(fwd, backend="inductor"), buckets=[2, 4], backend="emulated", progress=False)
+f.capture_all(torch.randn(4, 16))
+st = f.report().compile
+print(json.dumps({"hits": sum(s["cache_hits"] for s in st.values()), "misses": sum(s["cache_misses"] for s in st.values()),
+                  "summary": f.report().compile_summary}))
+"""
+
+
+def test_a_second_process_finds_the_compiled_graphs_in_the_cache_and_the_report_says_so(tmp_path):
+    # Regression: issue 54, a second `graphctl capture --compile` recompiled every bucket (16 s of a 94 s cold start
+    # came back only through torch's default cache, unreported): GRAPHCTL_COMPILE_CACHE names the directory, and the
+    # report counts the graphs that came from it.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GRAPHCTL_COMPILE_CACHE": str(tmp_path / "cache")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    env.pop("TRITON_CACHE_DIR", None)
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _WARM], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["misses"] > 0 and cold["hits"] == 0, cold
+    assert warm["hits"] == cold["misses"] and warm["misses"] == 0, (cold, warm)
+    assert "from torch's compile cache: " in warm["summary"], warm
+    assert any((tmp_path / "cache").iterdir())  # the artifacts are where the knob said

@@ -153,8 +153,11 @@ class Report:
     def compile_summary(self) -> str:
         """One line: the compiled callables, graphs compiled in each bucket's warmups, graph breaks."""
         per = ", ".join(f"{b}: {st['warmup_graphs']}" for b, st in sorted(self.compile.items()))
+        hits = sum(st.get("cache_hits", 0) for st in self.compile.values())
+        fresh = sum(st.get("cache_misses", 0) for st in self.compile.values())
+        cache = f"; Inductor graphs from torch's compile cache: {hits} of {hits + fresh}" if hits + fresh else ""
         return (f"compiled: {', '.join(self.compiled)}; graphs compiled in warmup per bucket: {per}; graph breaks: "
-                f"{sum(st['breaks'] for st in self.compile.values())}")
+                f"{sum(st['breaks'] for st in self.compile.values())}{cache}")
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "records"}

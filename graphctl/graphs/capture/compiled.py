@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 import sys
 import types
 from collections.abc import Iterable
@@ -36,9 +37,10 @@ from typing import Any
 import torch
 
 from graphctl.errors import DeclarationError
+from graphctl.knobs import knobs
 
 __all__ = ["unwrap", "is_compiled", "is_optimized_module", "eager", "Counters", "refuse_inductor_graphs",
-           "never_compiled"]
+           "never_compiled", "use_compile_cache"]
 
 _ORIG = "_torchdynamo_orig_callable"  # set by torch.compile on the function it returns
 _DISABLED = "_torchdynamo_disable"  # set by torch.compiler.disable (which sets _ORIG too)
@@ -130,18 +132,38 @@ def never_compiled(fn: Any, found: Iterable[Any]) -> list[str]:
 class Counters:
     """Dynamo's work during graphctl's passes, from its global counters: frames it was asked to
     convert (each a cache miss: a first compile, a recompile, or a frame it then ran
-    uncompiled), graphs it compiled, graph breaks."""
+    uncompiled), graphs it compiled, graph breaks; and Inductor's FX-graph cache: graphs loaded
+    from it (``cache_hits``) and compiled afresh (``cache_misses``)."""
 
     frames: int = 0
     graphs: int = 0
     breaks: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
 
     @staticmethod
     def now() -> Counters:
-        from torch._dynamo.utils import counters  # dynamo's import is paid where compiled code is
-
-        return Counters(counters["frames"]["total"], counters["stats"]["unique_graphs"],
-                        sum(counters["graph_break"].values()))
+        utils = sys.modules.get("torch._dynamo.utils")
+        if utils is None:  # dynamo never imported: nothing was compiled (and its import is not paid here)
+            return Counters()
+        c = utils.counters
+        return Counters(c["frames"]["total"], c["stats"]["unique_graphs"], sum(c["graph_break"].values()),
+                        c["inductor"]["fxgraph_cache_hit"], c["inductor"]["fxgraph_cache_miss"])
 
     def since(self, before: Counters) -> Counters:
-        return Counters(self.frames - before.frames, self.graphs - before.graphs, self.breaks - before.breaks)
+        return Counters(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(before))))
+
+
+def use_compile_cache() -> str | None:
+    """``GRAPHCTL_COMPILE_CACHE``, where set, as torch's compile-cache directories (Inductor's and
+    Triton's): torch reads them at each cache lookup, so this comes before a compiled forward's
+    first call. It overrides ``TORCHINDUCTOR_CACHE_DIR``, which torch itself fills with its
+    default on first use (a set-if-unset would lose to that). The directory, or None."""
+    where = knobs.compile_cache
+    if not where:
+        return None
+    where = os.path.abspath(where)
+    os.makedirs(where, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = where
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(where, "triton")
+    return where

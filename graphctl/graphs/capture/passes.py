@@ -173,6 +173,8 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
     # process-wide first-call work and every workspace's high-water mark are behind it; a smaller bucket's first
     # run does what is new to its shapes (a kernel variant built, a cache keyed by them filled), so one suffices
     compiled_fn = bool(sites) or compiled.is_compiled(p.fn)  # compiled code anywhere in the forward
+    if compiled_fn:
+        compiled.use_compile_cache()  # GRAPHCTL_COMPILE_CACHE: before the warmups compile anything
     runs = max(p.opts.warmup_iters, 2) if compiled_fn else p.opts.warmup_iters
     order = sorted(p.opts.buckets.sizes, reverse=True)
     graphs: dict[int, BucketGraph] = {}
@@ -227,7 +229,7 @@ def _passes(p: _Passes, arguments: dict[str, Any], first: reach.Reach,
             p.cap.warmup_ms[b] = (time.perf_counter() - t_warm) * 1e3
             done = compiled.Counters.now().since(dynamo)
             stats[b] = {"warmup_frames": done.frames, "warmup_graphs": done.graphs, "breaks": done.breaks,
-                        "uncompiled": 0}
+                        "uncompiled": 0, "cache_hits": done.cache_hits, "cache_misses": done.cache_misses}
             if bar:
                 bar.update(task, advance=1, description=f"warmup bucket {b}")
         be.synchronize()

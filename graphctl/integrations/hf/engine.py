@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from graphctl.families.paged import KVCacheManager, PagedMetadata, paged_spec
-from graphctl.graphs.capture.compiled import is_compiled
+from graphctl.graphs.capture.compiled import is_compiled, use_compile_cache
 from graphctl.integrations.hf.attention import ATTENTION, PagedBatch, register
 from graphctl.models.mtp import EngineConfig, MTPEngine
 from graphctl.models.sampled import RequestSettings, Sampling, check_forward, laws, takes_sampled_call
@@ -424,6 +424,7 @@ def _compile(*models: Any, backend: str) -> None:
     owns the CUDA graphs: no ``reduce-overhead``). A speculative step calls the target at one
     layout and the draft at two per bucket, so dynamo's global recompile limit is raised to hold
     every bucket's graphs (64; a lower limit would leave the rest uncompiled, which graphctl counts)."""
+    use_compile_cache()  # GRAPHCTL_COMPILE_CACHE, before anything compiles (a prefill may, before any capture)
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, 64)
     for m in models:
