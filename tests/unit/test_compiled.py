@@ -171,8 +171,8 @@ def fwd(x):
 f = graphctl.graphed(torch.compile(fwd, backend="inductor"), buckets=[2, 4], backend="emulated", progress=False)
 f.capture_all(torch.randn(4, 16))
 st = f.report().compile
-print(json.dumps({"hits": sum(s["cache_hits"] for s in st.values()), "misses": sum(s["cache_misses"] for s in st.values()),
-                  "summary": f.report().compile_summary}))
+hits, misses = (sum(s[k] for s in st.values()) for k in ("cache_hits", "cache_misses"))
+print(json.dumps({"hits": hits, "misses": misses, "summary": f.report().compile_summary}))
 """
 
 
