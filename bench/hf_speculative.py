@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 
@@ -134,15 +135,22 @@ def _hand_step(eng: HFEngine, n: int):
 
 
 def _step_ms(fns: dict, reps: int = 30) -> dict[str, float]:
-    """Median ms of one call of each of ``fns`` (name -> zero-argument callable), timed round
-    robin so that drift of the host or clocks reaches every variant alike."""
+    """Median ms of one call of each of ``fns`` (name -> zero-argument callable), in a fresh random
+    order each repeat (issue 54: a fixed round-robin order hands one variant the slot after the
+    other every time, the confound ``hf_decode`` had), so drift of the host or clocks and the
+    position after another variant reach every variant alike."""
     ts: dict[str, list[float]] = {k: [] for k in fns}
+    order = list(fns)
     for _ in range(reps):
-        for name, fn in fns.items():
+        _RNG.shuffle(order)
+        for name in order:
             t0 = _sync()
-            fn()
+            fns[name]()
             ts[name].append(1e3 * (_sync() - t0))
     return {k: statistics.median(v) for k, v in ts.items()}
+
+
+_RNG = random.Random()  # the timing order's: fresh each run (not the model's or the prompts' seed)
 
 
 _KINDS = (("switch", ("swap_copy", "token_to_request", "loop_condition")),

@@ -105,6 +105,9 @@ def _parser() -> _Parser:
                    help="with --hf-config: compile both models with torch.compile (Inductor, no CUDA graphs of its "
                         "own) before capture, so the graphs hold the fused kernels "
                         "(e.g. --hf-config llama-1b --compile)")
+    c.add_argument("--compile-mode", choices=("static", "dynamic"), default="static",
+                   help="with --compile: static compiles a graph per bucket; dynamic one graph a model for every "
+                        "bucket of 2 or more, bucket 1 its own (e.g. --compile --compile-mode dynamic)")
     c.add_argument("--buckets", type=_buckets, metavar="LIST",
                    help="batch sizes (requests) to capture, e.g. --buckets 1,2,4,8 (default: derived from "
                         "--max-batch: powers of two and the maximum)")

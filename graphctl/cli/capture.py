@@ -162,6 +162,9 @@ def _check_options(args) -> None:
         raise _Stop(2, bad)
     if args.hf_config and args.target:
         raise _Stop(2, "give a TARGET or --hf-config, not both")
+    if args.compile_mode != "static" and not args.compile:
+        raise _Stop(2, f"--compile-mode {args.compile_mode} applies with --compile (e.g. --hf-config llama-1b --compile "
+                       f"--compile-mode {args.compile_mode})")
     if args.compile and not args.hf_config:
         raise _Stop(2, "--compile applies to --hf-config models; compile your own TARGET's forward in its factory "
                        "(torch.compile, mode='default')")
@@ -222,7 +225,8 @@ def _plan(con: Any, args: argparse.Namespace) -> Run:
 
 def _load(run: Run) -> None:
     args = run.args
-    spec, extra = ((HF_TARGET, {"hf_config": args.hf_config, "compile": args.compile}) if args.hf_config
+    spec, extra = ((HF_TARGET, {"hf_config": args.hf_config, "compile": args.compile,
+                                "compile_mode": args.compile_mode}) if args.hf_config
                    else (args.target or BUILTIN, {}))
     ks = sorted(set(args.draft_len))  # several: the factory's variants, one runner (draft_lens=)
     with _stage(run, "load", "loading the target", 2):

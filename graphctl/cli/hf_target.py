@@ -12,7 +12,8 @@ __all__ = ["capture_target"]
 
 def capture_target(*, device: str = "cpu", max_batch: int = 64, draft_len: int = 3, seed: int = 0,
                    draft_lens: tuple[int, ...] | None = None,
-                   hf_config: str = "tiny-llama", compile: bool = False, **_: object) -> CaptureTarget:
+                   hf_config: str = "tiny-llama", compile: bool = False, compile_mode: str = "static",
+                   **_: object) -> CaptureTarget:
     """The HF engine's step for up to ``max_batch`` requests of ``draft_len + 1`` tokens (every
     one of ``draft_lens`` from one runner, when given)."""
     from graphctl.integrations.hf import HFEngine
@@ -21,7 +22,7 @@ def capture_target(*, device: str = "cpu", max_batch: int = 64, draft_len: int =
     cfg = load(hf_config)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     eng = HFEngine.build(cfg, draft_len=draft_len, max_seqs=max_batch, max_context=256, block_size=16,
-                         device=device, dtype=dtype, seed=seed, compile=compile)
+                         device=device, dtype=dtype, seed=seed, compile=compile, compile_mode=compile_mode)
     g = torch.Generator().manual_seed(seed)
     k1 = draft_len + 1
     eng.meta.prepare(eng.state, torch.full((max_batch,), k1, dtype=torch.int32),

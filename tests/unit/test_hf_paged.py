@@ -415,3 +415,24 @@ def test_a_mixed_batch_is_each_request_s_own_run_and_greedy_rows_stay_greedy(mod
     assert [t.tolist() for t in eager.tokens] == [t.tolist() for t in mixed.tokens]
     assert mixed.tokens[1].tolist() != greedy.tokens[1].tolist() or mixed.tokens[2].tolist() != \
         greedy.tokens[2].tolist()  # the sampled rows did sample
+
+
+def test_a_dynamic_compile_serves_every_bucket_of_two_or_more_from_one_graph_a_model(gen, monkeypatch):
+    # Regression: issue 54, each bucket compiled both models again (dynamic=False): 22-25 s a bucket for llama-1b on
+    # an H100. compile_mode="dynamic": one graph a model for buckets 8, 4, 2 (duck sizing off: bucket 8 equal to the
+    # block size had made dynamo compile again at 4), bucket 1 its own (sizes 0 and 1 are specialized).
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", True)  # put back after the engine's change
+    seed = hf.seed_of(gen)
+    eng = hf.engine("tiny-llama", 3, seed, compile="eager", compile_mode="dynamic")
+    prompts = hf.prompts(3, gen)
+    step = graphed_step(eng, "unrolled", buckets=(1, 2, 4, 8), backend="emulated")
+    got = eng.generate(prompts, 6, step)
+    per = {b: st["warmup_graphs"] for b, st in step.report().compile.items()}
+    assert per[8] == 2 and per[4] == 0 and per[2] == 0, per  # the target and the draft, once each
+    assert step.report().uncompiled == 0
+    want = hf.engine("tiny-llama", 3, seed).generate(prompts, 6)  # eager, uncompiled
+    assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
+    with pytest.raises(ValueError, match="compile_mode"):
+        hf.engine("tiny-llama", 3, 0, compile="eager", compile_mode="symbolic")
+    torch._dynamo.reset()

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from graphctl.families.paged import KVCacheManager, PagedMetadata, paged_spec
-from graphctl.graphs.capture.compiled import is_compiled, use_compile_cache
+from graphctl.graphs.capture.compiled import is_compiled
 from graphctl.integrations.hf.attention import ATTENTION, PagedBatch, register
+from graphctl.integrations.hf.compiling import check_mode, compile_models
 from graphctl.models.mtp import EngineConfig, MTPEngine
 from graphctl.models.sampled import RequestSettings, Sampling, check_forward, laws, takes_sampled_call
 from graphctl.ops.sampling import sample
@@ -84,9 +85,10 @@ class HFEngine(MTPEngine):
 
     Both models must be built with ``attn_implementation="graphctl_paged"`` (:func:`register`
     first; :meth:`build` does both). ``draft_len`` 0 is plain decode (:meth:`decode_step`).
-    ``compile=True`` compiles both models' forwards with Inductor (``torch.compile(dynamic=False)``,
-    no Inductor CUDA graphs): graphed, the captured graphs hold the fused kernels; a string names
-    another ``torch.compile`` backend (``"aot_eager"``: quick on a CPU). ``prefill_tokens``: the
+    ``compile=True`` compiles both models' forwards with Inductor (no Inductor CUDA graphs): graphed,
+    the captured graphs hold the fused kernels; a string names another ``torch.compile`` backend
+    (``"aot_eager"``: quick on a CPU); ``compile_mode`` ``"static"`` (a graph per bucket) or
+    ``"dynamic"`` (one for every bucket of 2 or more: ``integrations/hf/compiling.py``). ``prefill_tokens``: the
     most tokens one prefill forward carries (every prompt in one ragged pass below it; chunked
     above it), which also sizes the metadata's token buffers (never fewer than a step's
     ``max_seqs * (draft_len + 1)``). ``max_seqs`` is the largest batch, in requests (the CLI's
@@ -97,7 +99,8 @@ class HFEngine(MTPEngine):
 
     def __init__(self, target: Any, draft: Any, *, draft_len: int = 3, block_size: int = 16, max_seqs: int = 8,
                  max_context: int = 256, spec: StateSpec | None = None, compile: bool | str = False,
-                 prefill_tokens: int = 2048) -> None:
+                 compile_mode: str = "static", prefill_tokens: int = 2048) -> None:
+        check_mode(compile_mode)
         if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int) or prefill_tokens < 1:
             raise ValueError(f"prefill_tokens: expected a positive int (tokens a prefill pass), found "
                              f"{prefill_tokens!r}")
@@ -116,7 +119,7 @@ class HFEngine(MTPEngine):
         self.device, self.k, self.tp_group = dev, draft_len, None
         self.target_layers, self.draft_layers = target.eval(), draft.eval()
         if compile:
-            _compile(target, draft, backend="inductor" if compile is True else compile)
+            compile_models(target, draft, backend="inductor" if compile is True else compile, mode=compile_mode)
         blocks = -(-max_context // block_size)
 
         def manager(name: str, model: Any, seed: int) -> KVCacheManager:
@@ -417,19 +420,6 @@ def _emit(host: torch.Tensor, event: Any, k: int, out_tokens: list[list[int]], d
                 break
             out_tokens[r].append(t)
             done[r] = eos is not None and t == eos
-
-
-def _compile(*models: Any, backend: str) -> None:
-    """Each model's forward compiled by Inductor, one static-shape graph per batch layout (graphctl
-    owns the CUDA graphs: no ``reduce-overhead``). A speculative step calls the target at one
-    layout and the draft at two per bucket, so dynamo's global recompile limit is raised to hold
-    every bucket's graphs (64; a lower limit would leave the rest uncompiled, which graphctl counts)."""
-    use_compile_cache()  # GRAPHCTL_COMPILE_CACHE, before anything compiles (a prefill may, before any capture)
-    cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, 64)
-    for m in models:
-        if not is_compiled(vars(m).get("forward")):
-            m.forward = torch.compile(m.forward, backend=backend, dynamic=False)
 
 
 def _progress(on: bool, total: int) -> Callable[[int], None] | None:
