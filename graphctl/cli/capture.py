@@ -163,8 +163,8 @@ def _check_options(args) -> None:
     if args.hf_config and args.target:
         raise _Stop(2, "give a TARGET or --hf-config, not both")
     if args.compile_mode != "static" and not args.compile:
-        raise _Stop(2, f"--compile-mode {args.compile_mode} applies with --compile (e.g. --hf-config llama-1b --compile "
-                       f"--compile-mode {args.compile_mode})")
+        raise _Stop(2, f"--compile-mode {args.compile_mode} applies with --compile (e.g. --hf-config llama-1b "
+                       f"--compile --compile-mode {args.compile_mode})")
     if args.compile and not args.hf_config:
         raise _Stop(2, "--compile applies to --hf-config models; compile your own TARGET's forward in its factory "
                        "(torch.compile, mode='default')")
