@@ -198,3 +198,35 @@ def test_a_second_process_finds_the_compiled_graphs_in_the_cache_and_the_report_
     assert warm["hits"] == cold["misses"] and warm["misses"] == 0, (cold, warm)
     assert "from torch's compile cache: " in warm["summary"], warm
     assert any((tmp_path / "cache").iterdir())  # the artifacts are where the knob said
+
+
+def test_a_compiled_forward_that_registers_modules_compiles_once_beside_graphctl_s_hooks(gen):
+    # Regression: issue 54, graphctl's module-registration hooks (the path check's walk trigger) counted into a global
+    # inside traced code: transformers slices its ModuleList of layers at every call (a new ModuleList registers its
+    # children), dynamo guarded on the count, and every call compiled again (5 graphs a bucket for the HF step).
+    from graphctl.graphs.capture.compiled import Counters
+    from graphctl.graphs.replay import rebinding
+
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers[:2]:  # a fresh ModuleList each call, as transformers' models do
+                x = layer(x)
+            return x
+
+    rebinding._hook_registrations()  # what the first capture with module paths installs
+    torch._dynamo.reset()
+    m = Stack()
+    f = torch.compile(m.forward, backend="eager")
+    before = Counters.now()
+    x = torch.randn(4, 8, generator=gen)
+    for _ in range(4):
+        torch.testing.assert_close(f(x), m.layers[1](m.layers[0](x)))
+    assert Counters.now().since(before).frames == 1  # one conversion, no recompile
+    count = rebinding._REGISTRATIONS[0]
+    m.layers.append(torch.nn.Linear(8, 8))  # eager code changing the model is still counted
+    assert rebinding._REGISTRATIONS[0] > count
+    torch._dynamo.reset()

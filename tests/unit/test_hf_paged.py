@@ -417,12 +417,21 @@ def test_a_mixed_batch_is_each_request_s_own_run_and_greedy_rows_stay_greedy(mod
         greedy.tokens[2].tolist()  # the sampled rows did sample
 
 
-def test_a_dynamic_compile_serves_every_bucket_of_two_or_more_from_one_graph_a_model(gen, monkeypatch):
+def test_a_dynamic_compile_serves_every_bucket_of_two_or_more_from_one_graph_a_model(gen):
     # Regression: issue 54, each bucket compiled both models again (dynamic=False): 22-25 s a bucket for llama-1b on
     # an H100. compile_mode="dynamic": one graph a model for buckets 8, 4, 2 (duck sizing off: bucket 8 equal to the
     # block size had made dynamo compile again at 4), bucket 1 its own (sizes 0 and 1 are specialized).
     torch._dynamo.reset()
-    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", True)  # put back after the engine's change
+    # put back after the engine's change (not monkeypatch: its undo deletes a config module's entry)
+    duck = torch.fx.experimental._config.use_duck_shape
+    try:
+        _dynamic_compile(gen)
+    finally:
+        torch.fx.experimental._config.use_duck_shape = duck
+        torch._dynamo.reset()
+
+
+def _dynamic_compile(gen) -> None:
     seed = hf.seed_of(gen)
     eng = hf.engine("tiny-llama", 3, seed, compile="eager", compile_mode="dynamic")
     prompts = hf.prompts(3, gen)
@@ -435,4 +444,3 @@ def test_a_dynamic_compile_serves_every_bucket_of_two_or_more_from_one_graph_a_m
     assert [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens]
     with pytest.raises(ValueError, match="compile_mode"):
         hf.engine("tiny-llama", 3, 0, compile="eager", compile_mode="symbolic")
-    torch._dynamo.reset()

@@ -62,7 +62,13 @@ _HOOKED: list[Any] = []
 
 
 def _registered(*_: Any) -> None:
-    _REGISTRATIONS[0] += 1
+    # Not while dynamo traces: a compiled forward that registers modules as it runs (transformers slices its
+    # ModuleList of layers, a new ModuleList each call) would read the count into a guard, and every later
+    # call, finding it moved, compiled again (issue 54: 5 graphs a bucket instead of 3, and no bucket shared
+    # a dynamic graph). Compiled code registers on temporaries of its own; a model changed between calls, by
+    # eager code, is counted as before.
+    if not torch.compiler.is_compiling():
+        _REGISTRATIONS[0] += 1
 
 
 def _hook_registrations() -> None:
