@@ -55,6 +55,21 @@ IEEE_DIV = False  # the filtering's probabilities by IEEE division, not a recipr
 _FLOOR_TOP_P = 0.9999  # above it the start bound's margin, (1 - top_p) / 2, nears the sums' rounding: start at 0
 
 
+@triton.jit
+def _threshold(p, lo, need, MASS: tl.constexpr):
+    """The largest ``v`` (float32) whose tokens at ``p >= v`` hold at least ``need``: of the mass where
+    ``MASS``, else of the count. Bisection over float32 bit patterns, which order non-negative floats
+    as their values; ``lo`` (an int32 bit pattern) holds it from the start, ``hi`` (above max p) never."""
+    hi = tl.max(p, 0).to(tl.int32, bitcast=True) + 1
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        at = p >= mid.to(tl.float32, bitcast=True)
+        ok = tl.sum(tl.where(at, p if MASS else 1.0, 0.0), 0) >= need
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return lo.to(tl.float32, bitcast=True)
+
+
 @functools.cache
 def _filter() -> Any:
     @triton.jit
@@ -96,16 +111,8 @@ def _filter() -> Any:
                 v = tl.exp(tl.math.div_rn(b.to(raw.dtype, bitcast=True).to(tl.float32), temperature) - top)
                 v = tl.math.div_rn(v, total) if IEEE else v * inv
             else:
-                # float32 bit patterns order non-negative floats as their values: largest v with
-                # mass(p >= v) >= top_p; lo holds it (the start bound, or 0), hi never does (above max p)
-                lo = tl.full((), 0, tl.int32) + floor
-                hi = tl.max(p, 0).to(tl.int32, bitcast=True) + 1
-                while hi - lo > 1:
-                    mid = lo + (hi - lo) // 2
-                    ok = tl.sum(tl.where(p >= mid.to(tl.float32, bitcast=True), p, 0.0), 0) >= top_p
-                    lo = tl.where(ok, mid, lo)
-                    hi = tl.where(ok, hi, mid)
-                v = lo.to(tl.float32, bitcast=True)
+                # the largest v with mass(p >= v) >= top_p, searched from the start bound (or 0)
+                v = _threshold(p, tl.full((), 0, tl.int32) + floor, top_p, True)
             p = tl.where(p >= v, p, 0.0)
             kept = tl.sum(p, 0)
             p = tl.math.div_rn(p, kept) if IEEE else p * tl.math.div_rn(1.0, kept)
@@ -131,24 +138,10 @@ def _filter_rows() -> Any:
         e = tl.exp(x - top)
         p = e * tl.math.div_rn(1.0, tl.sum(e, 0))
         if (k > 0) & (k < V):  # the largest v with at least k tokens at p >= v
-            lo = tl.full((), 0, tl.int32)
-            hi = tl.max(p, 0).to(tl.int32, bitcast=True) + 1
-            while hi - lo > 1:
-                mid = lo + (hi - lo) // 2
-                ok = tl.sum(tl.where(p >= mid.to(tl.float32, bitcast=True), 1, 0), 0) >= k
-                lo = tl.where(ok, mid, lo)
-                hi = tl.where(ok, hi, mid)
-            p = tl.where(p >= lo.to(tl.float32, bitcast=True), p, 0.0)
+            p = tl.where(p >= _threshold(p, tl.full((), 0, tl.int32), k.to(tl.float32), False), p, 0.0)
             p = p * tl.math.div_rn(1.0, tl.sum(p, 0))
         if top_p < 1.0:  # the largest v whose tokens at p >= v hold at least top_p
-            lo = tl.full((), 0, tl.int32)
-            hi = tl.max(p, 0).to(tl.int32, bitcast=True) + 1
-            while hi - lo > 1:
-                mid = lo + (hi - lo) // 2
-                ok = tl.sum(tl.where(p >= mid.to(tl.float32, bitcast=True), p, 0.0), 0) >= top_p
-                lo = tl.where(ok, mid, lo)
-                hi = tl.where(ok, hi, mid)
-            p = tl.where(p >= lo.to(tl.float32, bitcast=True), p, 0.0)
+            p = tl.where(p >= _threshold(p, tl.full((), 0, tl.int32), top_p, True), p, 0.0)
             p = p * tl.math.div_rn(1.0, tl.sum(p, 0))
         _, best = tl.reduce((tl.where(mask, raw, float("-inf")), offs), 0, _first_max)
         p = tl.where(greedy, tl.where(offs == best, 1.0, 0.0), p)
